@@ -1,0 +1,179 @@
+"""The ``skip`` config section: typed models, one-line errors, and the run namespace.
+
+Config arrives as a whole run config (an OmegaConf ``DictConfig`` or a plain dict) with the
+top-level key ``skip``, like verl's. It is validated once, in ``SkipManager.init``; nothing
+later inside a training step reads raw config.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError
+
+# Roles whose plugin ships with this project: an enabled role that is not installed gets
+# the distribution to install in its error message.
+KNOWN_ROLES = {
+    "rollout": "skip-plugin-rollout",
+    "async_rollout": "skip-plugin-async-rollout",
+}
+
+
+class ConfigError(ValueError):
+    """Bad configuration; the message names the full key and what is allowed."""
+
+
+class RoleConfig(BaseModel):
+    """``skip.<role>``: shared by every cache role."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enable: bool = False
+    dump_dir: str = "~/.cache/skip"
+    steps: list[NonNegativeInt] = Field(default_factory=list)
+    action: Literal["cache", "repeat"] = "cache"
+    # A cache hit whose recorded inputs differ from this call's inputs (see
+    # ``skip_core.encoding.fingerprint``): load anyway with a warning, run the function
+    # again and replace the entry, or raise ``PromptMismatchError``.
+    on_prompt_mismatch: Literal["warn", "regenerate", "error"] = "warn"
+
+    @property
+    def dump_path(self) -> str:
+        return os.path.expanduser(self.dump_dir)
+
+
+def parse_role(model: type[RoleConfig], key: str, raw: Any) -> RoleConfig:
+    """Validate one role section, turning pydantic's report into one line naming the key."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{key}: expected a mapping of settings, got {raw!r}")
+    try:
+        return model.model_validate(dict(raw))
+    except ValidationError as exc:
+        raise ConfigError(_one_line(key, model, exc)) from None
+
+
+def _one_line(key: str, model: type[BaseModel], exc: ValidationError) -> str:
+    errors = exc.errors()
+    first = errors[0]
+    loc = key
+    for part in first["loc"]:
+        loc += f"[{part}]" if isinstance(part, int) else f".{part}"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{loc}: {_expectation(first, model)}{more}"
+
+
+_EXPECTED = {
+    "bool_parsing": "expected true or false",
+    "bool_type": "expected true or false",
+    "int_parsing": "expected an integer",
+    "int_type": "expected an integer",
+    "int_from_float": "expected an integer",
+    "greater_than_equal": "expected an integer >= 0",
+    "list_type": "expected a list of integers",
+    "string_type": "expected a string",
+}
+
+
+def _expectation(error: dict, model: type[BaseModel]) -> str:
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        allowed = ", ".join(sorted(model.model_fields))
+        return f"unknown key (allowed: {allowed})"
+    if kind == "literal_error":
+        expected = error["ctx"]["expected"]
+    else:
+        expected = _EXPECTED.get(kind, error["msg"].lower()).removeprefix("expected ")
+    return f"expected {expected}, got {error['input']!r}"
+
+
+def select(config: Any, dotted: str) -> Any:
+    """Read ``a.b.c`` from a DictConfig or nested dicts; ``None`` when absent or missing."""
+    node = config
+    for part in dotted.split("."):
+        if node is None:
+            return None
+        try:
+            node = node.get(part) if isinstance(node, Mapping) else getattr(node, part, None)
+        except Exception:  # OmegaConf raises on '???' (missing mandatory) values
+            return None
+    return node
+
+
+def to_container(node: Any) -> Any:
+    """A plain-Python copy of a config node (OmegaConf interpolations resolved)."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:
+        return node
+    if isinstance(node, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(node, resolve=True)
+    return node
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """The run identity that names a cache directory, read with verl's config keys."""
+
+    experiment_name: str = "default"
+    project_name: str = "default"
+    gbs: int = 0
+    n: int = 1
+    prompt_len: int = 0
+    response_len: int = 0
+
+    @classmethod
+    def from_config(cls, config: Any) -> Namespace:
+        gbs_key = "data.gen_batch_size"
+        if select(config, gbs_key) is None:
+            gbs_key = "data.train_batch_size"
+        return cls(
+            experiment_name=_text(config, "trainer.experiment_name", cls.experiment_name),
+            project_name=_text(config, "trainer.project_name", cls.project_name),
+            gbs=_count(config, gbs_key, cls.gbs),
+            n=_count(config, "actor_rollout_ref.rollout.n", cls.n),
+            prompt_len=_count(config, "data.max_prompt_length", cls.prompt_len),
+            response_len=_count(config, "data.max_response_length", cls.response_len),
+        )
+
+    @property
+    def shape(self) -> str:
+        return f"GBS{self.gbs}_N{self.n}_in{self.prompt_len}_out{self.response_len}"
+
+
+def _text(config: Any, key: str, default: str) -> str:
+    value = select(config, key)
+    return default if value is None else str(value)
+
+
+def _count(config: Any, key: str, default: int) -> int:
+    value = select(config, key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{key}: expected an integer >= 0, got {value!r}")
+    return value
+
+
+def hydra_defaults(roles: Mapping[str, type[RoleConfig]]) -> dict:
+    """Default ``skip`` section for the given roles, for a Hydra ConfigStore node."""
+    return {"skip": {name: model().model_dump() for name, model in sorted(roles.items())}}
+
+
+def register_hydra_defaults(name: str = "skip_defaults") -> None:
+    """Store ``skip`` defaults of every installed role as the Hydra config ``name``.
+
+    Add ``- skip_defaults`` to a primary config's ``defaults`` list, and command-line
+    overrides such as ``skip.rollout.enable=True skip.rollout.steps=[1,2,3]`` work without
+    a ``+`` prefix for every installed role.
+    """
+    from hydra.core.config_store import ConfigStore
+
+    from skip_core.plugins import registry
+
+    node = hydra_defaults({name: role.config for name, role in registry().roles.items()})
+    ConfigStore.instance().store(name=name, node=node)

@@ -1,0 +1,174 @@
+"""A ``Batch`` on disk as data only: loading can never execute code.
+
+``tensors.safetensors`` holds ``batch`` (memory-mapped on load). ``data.json`` holds
+``non_tensor_batch`` and ``meta_info`` in JSON, with a few tagged forms so numpy dtypes,
+shapes, tuples, bytes and non-string dict keys come back as they went in. Anything else is
+refused at dump time with the path of the offending value.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+TENSORS = "tensors.safetensors"
+DATA = "data.json"
+
+# Non-tensor keys that identify a sample rather than describe it (verl draws ``uid`` at random).
+IDENTITY_KEYS = frozenset({"uid"})
+
+_TAG = "__skip__"
+_ARRAY_KINDS = "biufUO"  # bool, ints, floats, unicode, object: all representable in JSON
+
+
+class EncodingError(ValueError):
+    """A value that cannot be stored as data."""
+
+
+def write(batch: Any, directory: Path) -> list[str]:
+    """Write ``batch`` into ``directory``; return the file names written."""
+    from safetensors.torch import save_file
+
+    save_file(_storable(batch.batch), str(directory / TENSORS))
+    payload = {
+        "non_tensor_batch": {k: encode(v, f"non_tensor_batch[{k!r}]") for k, v in batch.non_tensor_batch.items()},
+        "meta_info": encode(dict(batch.meta_info), "meta_info"),
+    }
+    (directory / DATA).write_text(json.dumps(payload, allow_nan=True), encoding="utf-8")
+    return [TENSORS, DATA]
+
+
+def read(directory: Path) -> Any:
+    """Load a batch written by ``write``; tensors stay backed by the memory-mapped file."""
+    from safetensors.torch import load_file
+
+    from skip_core.batch import Batch
+
+    tensors = load_file(str(directory / TENSORS))
+    payload = json.loads((directory / DATA).read_text(encoding="utf-8"))
+    non_tensors = {k: decode(v) for k, v in payload["non_tensor_batch"].items()}
+    return Batch(tensors, non_tensors, decode(payload["meta_info"]))
+
+
+def _storable(tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """safetensors refuses views sharing storage and non-contiguous tensors: copy just those."""
+    seen: set[int] = set()
+    out = {}
+    for key, tensor in tensors.items():
+        tensor = tensor.detach().cpu()
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr in seen or not tensor.is_contiguous() or tensor.storage_offset() or _is_partial(tensor):
+            tensor = tensor.contiguous().clone()
+        seen.add(tensor.untyped_storage().data_ptr())
+        out[key] = tensor
+    return out
+
+
+def _is_partial(tensor: Any) -> bool:
+    return tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()
+
+
+def encode(value: Any, where: str) -> Any:
+    """A JSON-ready form of ``value``; ``where`` names it in errors."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, np.ndarray):
+        return _encode_array(value, where)
+    if isinstance(value, np.generic):
+        return {_TAG: "scalar", "dtype": value.dtype.str, "value": encode(value.item(), where)}
+    if isinstance(value, list):
+        return [encode(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, tuple):
+        return {_TAG: "tuple", "items": [encode(v, f"{where}[{i}]") for i, v in enumerate(value)]}
+    if isinstance(value, bytes):
+        return {_TAG: "bytes", "base64": base64.b64encode(value).decode("ascii")}
+    if isinstance(value, Mapping):
+        if all(isinstance(k, str) for k in value) and _TAG not in value:
+            return {k: encode(v, f"{where}[{k!r}]") for k, v in value.items()}
+        return {_TAG: "dict", "items": [[encode(k, where), encode(v, f"{where}[{k!r}]")] for k, v in value.items()]}
+    raise EncodingError(f"{where}: cannot store a value of type {type(value).__name__} as data")
+
+
+def _encode_array(array: np.ndarray, where: str) -> dict:
+    if array.dtype.kind not in _ARRAY_KINDS:
+        raise EncodingError(f"{where}: cannot store numpy dtype {array.dtype}")
+    if array.dtype.kind == "O":
+        items = [encode(v, f"{where}[{i}]") for i, v in enumerate(array.ravel())]
+    else:
+        items = array.ravel().tolist()
+    return {_TAG: "ndarray", "dtype": array.dtype.str, "shape": list(array.shape), "items": items}
+
+
+def decode(value: Any) -> Any:
+    """Inverse of ``encode``; raises ``ValueError`` on anything it did not produce."""
+    if isinstance(value, list):
+        return [decode(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    tag = value.get(_TAG)
+    if tag is None:
+        return {k: decode(v) for k, v in value.items()}
+    if tag == "ndarray":
+        return _decode_array(value)
+    if tag == "scalar":
+        return np.dtype(_dtype(value["dtype"])).type(value["value"])
+    if tag == "tuple":
+        return tuple(decode(v) for v in value["items"])
+    if tag == "bytes":
+        return base64.b64decode(value["base64"], validate=True)
+    if tag == "dict":
+        return {_hashable(decode(k)): decode(v) for k, v in value["items"]}
+    raise ValueError(f"unknown tag {tag!r}")
+
+
+def _decode_array(value: dict) -> np.ndarray:
+    dtype = _dtype(value["dtype"])
+    shape = tuple(int(n) for n in value["shape"])
+    items = value["items"]
+    if dtype.kind == "O":
+        array = np.empty(len(items), dtype=object)
+        for i, item in enumerate(items):
+            array[i] = decode(item)
+    else:
+        array = np.array(items, dtype=dtype)
+    return array.reshape(shape)
+
+
+def _dtype(text: str) -> np.dtype:
+    dtype = np.dtype(text)  # a dtype string cannot name a Python class: safe to parse
+    if dtype.kind not in _ARRAY_KINDS:
+        raise ValueError(f"dtype {text!r} is not allowed")
+    return dtype
+
+
+def _hashable(key: Any) -> Any:
+    return tuple(_hashable(k) for k in key) if isinstance(key, list) else key
+
+
+def fingerprint(batch: Any) -> str | None:
+    """A content hash of the inputs a result was generated from, or ``None`` for non-batches.
+
+    Covers every tensor (name, dtype, shape, bytes) and every non-tensor except identity
+    keys; ``meta_info`` is excluded, as it carries bookkeeping such as the step.
+    """
+    tensors = getattr(batch, "batch", None)
+    others = getattr(batch, "non_tensor_batch", None)
+    if not isinstance(tensors, Mapping) or not isinstance(others, Mapping):
+        return None
+    import torch
+
+    digest = xxhash.xxh3_128()
+    for key in sorted(tensors):
+        tensor = tensors[key].detach().cpu().contiguous()
+        digest.update(f"{key}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    for key in sorted(others):
+        if key not in IDENTITY_KEYS:
+            digest.update(json.dumps([key, encode(others[key], key)], sort_keys=True).encode())
+    return digest.hexdigest()

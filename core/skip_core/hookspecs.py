@@ -1,0 +1,83 @@
+"""Every extension point of skip, in one place.
+
+A plugin is a module (or object) with functions named like these specs and marked
+``@skip_core.hookimpl``; it is found through the ``skip`` entry-point group. Pluggy lets an
+implementation accept only the arguments it needs, so ``def skip_warp(store, hit)`` is valid.
+
+The per-call hooks (``skip_resolve_step``, ``skip_precondition``, ``skip_warp``,
+``skip_dump``) are only called for a role that is enabled and only on the slow path: a
+disabled role, or a trainer-step role on an ineligible step, costs one attribute check.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("skip")
+hookimpl = pluggy.HookimplMarker("skip")
+
+
+@hookspec
+def skip_register_roles(register):
+    """Register skip roles: call ``register(Role(...))`` once per role this plugin provides.
+
+    A role names a family of decorated functions (``@SkipManager.annotate(role=...)``) and the
+    ``skip.<role>`` config section that drives them. Two plugins registering the same role
+    name is an error reported at ``SkipManager.init``.
+    """
+
+
+@hookspec
+def skip_register_backends(register):
+    """Register rollout backends: call ``register(name, factory)``.
+
+    ``factory(config) -> skip_core.backend.RolloutBackend`` builds an engine from the
+    ``rollout`` config section; ``rollout.backend=<name>`` selects it.
+    """
+
+
+@hookspec
+def skip_register_schedules(register):
+    """Register trainer schedules: call ``register(name, factory)``.
+
+    ``factory(config) -> skip_core.schedule.Schedule``; ``trainer.schedule=<name>`` selects it.
+    """
+
+
+@hookspec(firstresult=True)
+def skip_resolve_step(role, config, call):
+    """Return the step (``int``) of one call of a role whose ``Role.online_step`` is true.
+
+    Roles without online steps use the trainer step from ``SkipManager.set_step`` and never
+    reach this hook. Return ``None`` to let another plugin answer; if none does, the call
+    runs unchanged. Raise ``ValueError`` for an argument that cannot carry a step.
+    """
+
+
+@hookspec(firstresult=True)
+def skip_precondition(role, config, store, step, call):
+    """Decide whether this call is replaced: return a ``Hit`` to replace it, ``None`` to run it.
+
+    Called only when ``step`` is listed in ``skip.<role>.steps``. The returned ``Hit`` is
+    handed to ``skip_warp``. Core's default implementation serves ``action=cache|repeat``
+    from the verified cache store; implement this hook for a role with other actions.
+    """
+
+
+@hookspec(firstresult=True)
+def skip_warp(role, config, store, hit, call):
+    """Produce the result of a replaced call without running it (e.g. load it from disk).
+
+    If it raises, a warning names the role and step and the original function runs instead:
+    a failed replacement never loses a training step.
+    """
+
+
+@hookspec
+def skip_dump(role, config, store, step, call, result):
+    """Persist the result of a call that ran on an eligible step.
+
+    Runs in a background thread after the decorated function returned;
+    ``SkipManager.flush()`` waits for it. Exceptions become warnings: a failed dump never
+    kills training.
+    """

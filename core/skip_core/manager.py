@@ -1,0 +1,285 @@
+"""``SkipManager``: verl's skip facade over pluggy hooks.
+
+The facade keeps verl's class methods, but no per-call state lives on it: the step of an
+online role is resolved per call and passed down as an argument, so concurrent asyncio tasks
+and threads never see each other's step. The trainer step (``set_step``) is process-wide by
+design: it is the one clock of a sequential trainer loop.
+
+Each role name has one ``_Slot``, created when the first function is decorated with it and
+filled by ``init``. A decorated call on a disabled role, or on a trainer step that is not
+listed, costs an attribute check or two before running the function.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import functools
+import inspect
+import threading
+import warnings
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any, TypeVar
+
+from skip_core.config import KNOWN_ROLES, ConfigError, Namespace, RoleConfig, parse_role, select, to_container
+from skip_core.plugins import pm, registry
+from skip_core.roles import Call, Role, prompts_of
+from skip_core.store import CacheStore, CacheWarning
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_MISS = object()
+
+
+class _Clock:
+    step: int | None = None
+
+
+_clock = _Clock()
+
+
+class _Slot:
+    __slots__ = ("name", "enabled", "online", "steps", "role", "config", "store")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.deactivate()
+
+    def deactivate(self) -> None:
+        self.enabled = False
+        self.online = False
+        self.steps: frozenset[int] = frozenset()
+        self.role: Role | None = None
+        self.config: RoleConfig | None = None
+        self.store: CacheStore | None = None
+
+    def activate(self, role: Role, config: RoleConfig, store: CacheStore) -> None:
+        self.role, self.config, self.store = role, config, store
+        self.online = role.online_step
+        self.steps = frozenset(config.steps)
+        self.enabled = True
+
+    def plan(self, fn: Callable, signature: inspect.Signature, position: int, args: tuple, kwargs: dict):
+        """The ``(step, call)`` of an eligible call, or ``None`` to run it untouched."""
+        meta = getattr(prompts_of(args, kwargs, position), "meta_info", None)
+        if isinstance(meta, Mapping) and meta.get("validate"):
+            return None  # validation never loads or dumps
+        call = Call(fn, args, kwargs, signature)
+        if self.online:
+            step = pm.hook.skip_resolve_step(role=self.role, config=self.config, call=call)
+        else:
+            step = _clock.step
+        if step is None or step not in self.steps:
+            return None
+        return step, call
+
+    def replace(self, plan: tuple[int, Call]) -> Any:
+        """The result of a replaced call, or ``_MISS`` to run the function."""
+        step, call = plan
+        hooks = pm.hook
+        hit = hooks.skip_precondition(role=self.role, config=self.config, store=self.store, step=step, call=call)
+        if hit is None:
+            return _MISS
+        try:
+            result = hooks.skip_warp(role=self.role, config=self.config, store=self.store, hit=hit, call=call)
+        except Exception as exc:
+            warnings.warn(
+                f"skip.{self.name} step {step}: replacing the call from step {hit.step} failed ({exc!r}); running it instead",
+                CacheWarning,
+                stacklevel=2,
+            )
+            return _MISS
+        return _MISS if result is None else result
+
+    def dump(self, plan: tuple[int, Call], result: Any) -> None:
+        step, call = plan
+        kwargs = dict(role=self.role, config=self.config, store=self.store, step=step, call=call, result=result)
+        _dumps.submit(self.name, step, functools.partial(pm.hook.skip_dump, **kwargs))
+
+
+class _Dumps:
+    """Background dumps: a failure is a warning; ``flush`` waits for all started so far."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: set[Future] = set()
+        self._executor: ThreadPoolExecutor | None = None
+
+    def submit(self, role: str, step: int, work: Callable[[], Any]) -> None:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="skip-dump")
+                atexit.register(self.flush)
+            future = self._executor.submit(_warn_on_failure, role, step, work)
+            self._pending.add(future)
+        future.add_done_callback(self._done)
+
+    def _done(self, future: Future) -> None:
+        with self._lock:
+            self._pending.discard(future)
+
+    def flush(self) -> None:
+        with self._lock:
+            pending = list(self._pending)
+        wait(pending)
+
+
+def _warn_on_failure(role: str, step: int, work: Callable[[], Any]) -> None:
+    try:
+        work()
+    except Exception as exc:
+        warnings.warn(f"skip.{role} step {step}: dump failed, training continues: {exc!r}", CacheWarning, stacklevel=1)
+
+
+_dumps = _Dumps()
+_slots: dict[str, _Slot] = {}
+
+
+def _slot(name: str) -> _Slot:
+    return _slots.setdefault(name, _Slot(name))
+
+
+class SkipManager:
+    """verl-compatible entry points: ``init``, ``set_step``, ``annotate``, ``flush``, ``reset``."""
+
+    @classmethod
+    def init(cls, config: Any) -> None:
+        """Validate ``config.skip`` and activate the enabled roles; bad config raises ``ConfigError``."""
+        active = _parse(config)
+        for slot in _slots.values():
+            slot.deactivate()
+        for name, (role, role_config, store) in active.items():
+            _slot(name).activate(role, role_config, store)
+        _retire_legacy_rollout_skip(config, active)
+
+    @classmethod
+    def set_step(cls, step: int) -> None:
+        """Set the trainer step used by roles without online steps (verl's ``global_steps``)."""
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"SkipManager.set_step: expected an int step, got {step!r}")
+        _clock.step = step
+
+    @classmethod
+    def annotate(cls, role: str, **_: Any) -> Callable[[F], F]:
+        """Decorate a function, coroutine function or method as a call of ``role``."""
+        slot = _slot(role)
+
+        def decorate(fn: F) -> F:
+            signature = inspect.signature(fn)
+            params = list(signature.parameters)
+            position = 1 if params and params[0] in ("self", "cls") else 0
+            if inspect.iscoroutinefunction(fn):
+                return functools.wraps(fn)(_async_wrapper(slot, fn, signature, position))
+            return functools.wraps(fn)(_sync_wrapper(slot, fn, signature, position))
+
+        return decorate
+
+    @classmethod
+    def flush(cls) -> None:
+        """Return once every dump started so far is durable on disk."""
+        _dumps.flush()
+
+    @classmethod
+    def reset(cls) -> None:
+        """Finish pending dumps and forget config and step (for tests)."""
+        _dumps.flush()
+        for slot in _slots.values():
+            slot.deactivate()
+        _clock.step = None
+
+
+def _sync_wrapper(slot: _Slot, fn: Callable, signature: inspect.Signature, position: int) -> Callable:
+    def wrapper(*args, **kwargs):
+        if not slot.enabled or (not slot.online and _clock.step not in slot.steps):
+            return fn(*args, **kwargs)
+        plan = slot.plan(fn, signature, position, args, kwargs)
+        if plan is None:
+            return fn(*args, **kwargs)
+        result = slot.replace(plan)
+        if result is _MISS:
+            result = fn(*args, **kwargs)
+            slot.dump(plan, result)
+        return result
+
+    return wrapper
+
+
+def _async_wrapper(slot: _Slot, fn: Callable, signature: inspect.Signature, position: int) -> Callable:
+    async def wrapper(*args, **kwargs):
+        if not slot.enabled or (not slot.online and _clock.step not in slot.steps):
+            return await fn(*args, **kwargs)
+        plan = slot.plan(fn, signature, position, args, kwargs)
+        if plan is None:
+            return await fn(*args, **kwargs)
+        result = await asyncio.to_thread(slot.replace, plan)  # verification reads files
+        if result is _MISS:
+            result = await fn(*args, **kwargs)
+            slot.dump(plan, result)
+        return result
+
+    return wrapper
+
+
+def _parse(config: Any) -> dict[str, tuple[Role, RoleConfig, CacheStore]]:
+    if config is None or not (isinstance(config, Mapping) or hasattr(config, "get")):
+        raise ConfigError(f"SkipManager.init: expected a run config (DictConfig or dict), got {type(config).__name__}")
+    section = to_container(select(config, "skip")) or {}
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"skip: expected a mapping of role sections, got {section!r}")
+    roles = registry().roles
+    namespace = Namespace.from_config(config)
+    active = {}
+    for name, raw in section.items():
+        role = roles.get(name)
+        if role is None:
+            _require_installed(name, raw, roles)
+            continue
+        role_config = parse_role(role.config, f"skip.{name}", raw)
+        if role_config.enable:
+            active[name] = (role, role_config, _writable_store(name, role_config, namespace))
+    return active
+
+
+def _require_installed(name: str, raw: Any, roles: Mapping[str, Role]) -> None:
+    enabled = isinstance(raw, Mapping) and str(raw.get("enable", False)).lower() in ("true", "1", "yes", "on")
+    if not enabled:
+        return
+    if name in KNOWN_ROLES:
+        raise ConfigError(
+            f"skip.{name}.enable is true but role {name!r} is not installed: pip install {KNOWN_ROLES[name]}"
+        )
+    installed = ", ".join(sorted(roles)) or "none"
+    raise ConfigError(f"skip.{name}: no installed plugin provides role {name!r} (installed roles: {installed})")
+
+
+def _writable_store(name: str, config: RoleConfig, namespace: Namespace) -> CacheStore:
+    store = CacheStore(config.dump_path, namespace, role=name)
+    try:
+        store.check_writable()
+    except OSError as exc:
+        raise ConfigError(f"skip.{name}.dump_dir: cannot write to {store.directory}: {exc}") from None
+    return store
+
+
+def _retire_legacy_rollout_skip(config: Any, active: Mapping[str, Any]) -> None:
+    """verl's older ``actor_rollout_ref.rollout.skip`` must not run alongside ``skip.rollout``."""
+    legacy = select(config, "actor_rollout_ref.rollout.skip")
+    if "rollout" not in active or legacy is None or not select(legacy, "enable"):
+        return
+    warnings.warn(
+        "actor_rollout_ref.rollout.skip.enable is deprecated and ignored because skip.rollout.enable is true; "
+        "it has been set to False",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    try:
+        from omegaconf import DictConfig, open_dict, read_write
+
+        if isinstance(legacy, DictConfig):
+            with read_write(legacy), open_dict(legacy):
+                legacy.enable = False
+            return
+    except ImportError:
+        pass
+    legacy["enable"] = False

@@ -1,0 +1,310 @@
+"""The on-disk cache of step results: atomic, verified on read, confined to its directory.
+
+Layout (verl's, so verl configs work unchanged)::
+
+    {dump_dir}/{experiment_name}_{project_name}/GBS{gbs}_N{n}_in{prompt}_out{response}/{step}/
+        meta.json              format version, role, step, namespace, input fingerprint,
+                               and the size and xxh3-128 hash of every data file
+        tensors.safetensors    Batch.batch
+        data.json              Batch.non_tensor_batch and meta_info
+
+A step directory is written beside its final place (``.tmp-*``), fsynced, and renamed into
+place, so it is complete or absent. Readers verify it before use; anything wrong is a
+warning and a miss, never an exception in the training step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import mmap
+import os
+import re
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from skip_core import encoding
+from skip_core.config import Namespace
+
+FORMAT = "skip-cache"
+VERSION = 1
+META = "meta.json"
+DATA_FILES = frozenset({encoding.TENSORS, encoding.DATA})
+MAX_META_BYTES = 1 << 20
+SHAPE_PATTERN = re.compile(r"GBS\d+_N\d+_in\d+_out\d+")
+LEFTOVER_PREFIXES = (".tmp-", ".trash-")
+
+
+class CacheWarning(UserWarning):
+    """A cache entry was ignored (corrupt, truncated, foreign) or a dump failed."""
+
+
+class CorruptEntry(Exception):
+    """A step directory that must not be loaded; the message says why."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A verified step directory."""
+
+    step: int
+    path: Path
+    meta: dict
+
+    @property
+    def fingerprint(self) -> str | None:
+        return self.meta.get("fingerprint")
+
+
+def safe_name(text: str) -> str:
+    """One path component made from config text: no separators, no leading dots."""
+    name = re.sub(r"[^A-Za-z0-9._=+-]", "_", text)[:200]
+    return re.sub(r"^\.+", lambda m: "_" * len(m.group()), name) or "_"
+
+
+class CacheStore:
+    """The step directories of one role in one run namespace."""
+
+    def __init__(self, root: str | os.PathLike, namespace: Namespace, role: str) -> None:
+        self.root = Path(root).expanduser().absolute()
+        self.namespace = namespace
+        self.role = role
+        run = safe_name(f"{namespace.experiment_name}_{namespace.project_name}")
+        self.directory = self.root / run / namespace.shape
+
+    def path(self, step: int) -> Path:
+        return self.directory / str(int(step))
+
+    def check_writable(self) -> None:
+        """Create the namespace directory and prove a file can be written there."""
+        self._makedirs()
+        with tempfile.NamedTemporaryFile(dir=self.directory, prefix=".tmp-probe-"):
+            pass
+
+    def steps(self) -> list[int]:
+        """Steps that have a directory, valid or not."""
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return []
+        return sorted(int(n) for n in names if n.isdigit())
+
+    def entry(self, step: int) -> Entry | None:
+        """The verified entry of ``step``; a warning and ``None`` if it is present but bad."""
+        path = self.path(step)
+        if not path.exists():
+            return None
+        try:
+            meta = verify(path, role=self.role, namespace=self.namespace)
+        except CorruptEntry as exc:
+            warnings.warn(f"skip: ignoring cache entry {path}: {exc}", CacheWarning, stacklevel=2)
+            return None
+        return Entry(step, path, meta)
+
+    def nearest(self, step: int) -> Entry | None:
+        """The entry ``repeat`` uses: this step, else the largest below, else the smallest above."""
+        present = self.steps()
+        below = sorted((s for s in present if s < step), reverse=True)
+        above = sorted(s for s in present if s > step)
+        for candidate in [step, *below, *above]:
+            found = self.entry(candidate)
+            if found is not None:
+                return found
+        return None
+
+    def load(self, entry: Entry) -> Any:
+        return encoding.read(entry.path)
+
+    def save(self, step: int, batch: Any, fingerprint: str | None = None) -> Path:
+        """Write ``batch`` as the entry of ``step``, replacing any previous one, atomically."""
+        self._makedirs()
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{step}-", dir=self.directory))
+        try:
+            names = encoding.write(batch, tmp)
+            files = {name: _seal(tmp / name) for name in names}
+            meta = {
+                "format": FORMAT,
+                "version": VERSION,
+                "role": self.role,
+                "step": int(step),
+                "namespace": dataclasses.asdict(self.namespace),
+                "fingerprint": fingerprint,
+                "samples": len(batch),
+                "files": files,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "writer": {"host": socket.gethostname(), "pid": os.getpid()},
+            }
+            _write_synced(tmp / META, json.dumps(meta, indent=1).encode())
+            _fsync_dir(tmp)
+            final = self.path(step)
+            _publish(tmp, final)
+            _fsync_dir(self.directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return final
+
+    def _makedirs(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        root = self.root.resolve()
+        if not self.directory.resolve().is_relative_to(root):
+            raise PermissionError(f"{self.directory} resolves outside the dump directory {root}; refusing to write")
+
+
+def verify(path: Path, role: str | None = None, namespace: Namespace | None = None, deep: bool = True) -> dict:
+    """Check one step directory against its ``meta.json``; return the meta or raise ``CorruptEntry``.
+
+    ``deep=False`` checks sizes only (for listings); loading always checks hashes too.
+    """
+    meta = _read_meta(path / META)
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise CorruptEntry(f"unsupported format {meta.get('format')!r} version {meta.get('version')!r}")
+    if str(meta.get("step")) != path.name:
+        raise CorruptEntry(f"meta.json records step {meta.get('step')!r} in directory {path.name!r}")
+    if role is not None and meta.get("role") != role:
+        raise CorruptEntry(f"written for role {meta.get('role')!r}, not {role!r}")
+    if namespace is not None and meta.get("namespace") != dataclasses.asdict(namespace):
+        raise CorruptEntry(f"written by another run: namespace {meta.get('namespace')!r}")
+    files = meta.get("files")
+    if not isinstance(files, dict) or set(files) != DATA_FILES:
+        raise CorruptEntry(f"meta.json lists files {sorted(files) if isinstance(files, dict) else files!r}")
+    for name, expected in files.items():
+        _check_file(path / name, expected, deep)
+    return meta
+
+
+def _read_meta(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_META_BYTES + 1)
+    except FileNotFoundError:
+        raise CorruptEntry("incomplete: meta.json is missing") from None
+    except OSError as exc:
+        raise CorruptEntry(f"cannot read meta.json: {exc}") from None
+    if len(raw) > MAX_META_BYTES:
+        raise CorruptEntry("meta.json is too large")
+    try:
+        meta = json.loads(raw)
+    except ValueError as exc:
+        raise CorruptEntry(f"meta.json is not valid JSON: {exc}") from None
+    if not isinstance(meta, dict):
+        raise CorruptEntry("meta.json is not an object")
+    return meta
+
+
+def _check_file(path: Path, expected: Any, deep: bool) -> None:
+    if not isinstance(expected, dict):
+        raise CorruptEntry(f"meta.json entry for {path.name} is malformed")
+    try:
+        size = path.stat().st_size
+        if size != expected.get("bytes"):
+            raise CorruptEntry(f"{path.name} has {size} bytes, meta.json records {expected.get('bytes')}")
+        if deep and file_digest(path) != expected.get("xxh3_128"):
+            raise CorruptEntry(f"{path.name} does not match its recorded hash")
+    except OSError as exc:
+        raise CorruptEntry(f"cannot read {path.name}: {exc}") from None
+
+
+def file_digest(path: Path) -> str:
+    """xxh3-128 of a file, read through a memory map (no copy into Python)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return xxhash.xxh3_128_hexdigest(b"")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+            return xxhash.xxh3_128_hexdigest(view)
+
+
+def _seal(path: Path) -> dict:
+    """fsync a written file while hashing it (fsync releases the GIL): size and hash for meta."""
+    fd = os.open(path, os.O_RDONLY)
+    errors: list[OSError] = []
+
+    def sync() -> None:
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            errors.append(exc)
+
+    syncer = threading.Thread(target=sync)
+    syncer.start()
+    try:
+        digest = file_digest(path)
+    finally:
+        syncer.join()
+        os.close(fd)
+    if errors:
+        raise errors[0]
+    return {"bytes": path.stat().st_size, "xxh3_128": digest}
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(tmp: Path, final: Path, attempts: int = 16) -> None:
+    """Rename ``tmp`` onto ``final``; an existing entry is moved aside and deleted first.
+
+    Concurrent writers of one step each retry until their rename lands; the last one wins,
+    and every intermediate state is a complete entry or none.
+    """
+    for _ in range(attempts):
+        try:
+            os.rename(tmp, final)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        trash = final.with_name(f".trash-{final.name}-{uuid.uuid4().hex[:12]}")
+        try:
+            os.rename(final, trash)
+        except FileNotFoundError:
+            continue
+        shutil.rmtree(trash, ignore_errors=True)
+    raise OSError(f"could not replace {final}: other writers kept replacing it")
+
+
+def scan(root: Path) -> Iterator[Path]:
+    """Every step directory under ``root`` (a dump_dir or any directory inside one)."""
+    root = Path(root)
+    if root.name.isdigit() and SHAPE_PATTERN.fullmatch(root.parent.name):
+        yield root
+        return
+    for dirpath, dirnames, _ in os.walk(root):
+        dirnames.sort(key=lambda n: (not n.isdigit(), int(n) if n.isdigit() else 0, n))
+        if SHAPE_PATTERN.fullmatch(os.path.basename(dirpath)):
+            for name in dirnames:
+                if name.isdigit():
+                    yield Path(dirpath) / name
+            dirnames[:] = []
+
+
+def leftovers(root: Path) -> Iterator[Path]:
+    """Temporary and trash directories left by interrupted dumps under ``root``."""
+    for dirpath, dirnames, _ in os.walk(root):
+        for name in list(dirnames):
+            if name.startswith(LEFTOVER_PREFIXES):
+                dirnames.remove(name)
+                yield Path(dirpath) / name
