@@ -43,11 +43,14 @@ class RolloutBackend(ABC):
     async def update_weights(self, state_dict: Mapping[str, Any]) -> None:
         """Load new policy weights from the trainer, in place."""
 
+    @abstractmethod
     async def sleep(self) -> None:
-        """Release accelerator memory between rollouts (no-op where nothing is held)."""
+        """Release accelerator memory between rollouts (a no-op where nothing is held)."""
 
+    @abstractmethod
     async def wake_up(self) -> None:
         """Re-acquire what ``sleep`` released."""
 
+    @abstractmethod
     async def shutdown(self) -> None:
         """Stop the engine and free its resources."""

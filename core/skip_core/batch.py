@@ -65,7 +65,8 @@ class Batch:
     def __repr__(self) -> str:
         tensors = ", ".join(f"{k}: {tuple(v.shape)} {v.dtype}" for k, v in self.batch.items())
         others = ", ".join(self.non_tensor_batch)
-        return f"Batch(len={len(self)}, batch={{{tensors}}}, non_tensor_batch=[{others}], meta_info={list(self.meta_info)})"
+        meta = list(self.meta_info)
+        return f"Batch(len={len(self)}, batch={{{tensors}}}, non_tensor_batch=[{others}], meta_info={meta})"
 
     def __getitem__(self, index: int | slice | Sequence[int] | np.ndarray | torch.Tensor) -> Batch:
         """Rows by int, slice, index list/array or boolean mask; always returns a ``Batch``."""
@@ -134,9 +135,7 @@ class Batch:
             others = {k: np.repeat(v, repeat_times, axis=0) for k, v in self.non_tensor_batch.items()}
         else:
             tensors = {k: v.repeat(repeat_times, *([1] * (v.dim() - 1))) for k, v in self.batch.items()}
-            others = {
-                k: np.tile(v, (repeat_times,) + (1,) * (v.ndim - 1)) for k, v in self.non_tensor_batch.items()
-            }
+            others = {k: np.tile(v, (repeat_times,) + (1,) * (v.ndim - 1)) for k, v in self.non_tensor_batch.items()}
         return Batch(tensors, others, self.meta_info)
 
     def chunk(self, chunks: int) -> list[Batch]:
@@ -153,7 +152,10 @@ class Batch:
             raise ValueError("concat needs at least one batch")
         first = batches[0]
         for other in batches[1:]:
-            if other.batch.keys() != first.batch.keys() or other.non_tensor_batch.keys() != first.non_tensor_batch.keys():
+            if (
+                other.batch.keys() != first.batch.keys()
+                or other.non_tensor_batch.keys() != first.non_tensor_batch.keys()
+            ):
                 raise ValueError("concat: batches have different keys")
         return Batch(
             {k: torch.cat([b.batch[k] for b in batches]) for k in first.batch},

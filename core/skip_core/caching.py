@@ -34,9 +34,9 @@ def skip_precondition(role, config, store, step, call):
     entry = store.entry(step)
     if entry is None:
         return None
-    if entry.fingerprint is not None and fingerprint is not None and entry.fingerprint != fingerprint:
-        if not _accept_mismatch(role.name, config.on_prompt_mismatch, entry):
-            return None
+    mismatch = None not in (entry.fingerprint, fingerprint) and entry.fingerprint != fingerprint
+    if mismatch and not _accept_mismatch(role.name, config.on_prompt_mismatch, entry):
+        return None
     return Hit(entry.step, entry)
 
 

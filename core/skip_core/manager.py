@@ -40,7 +40,7 @@ _clock = _Clock()
 
 
 class _Slot:
-    __slots__ = ("name", "enabled", "online", "steps", "role", "config", "store")
+    __slots__ = ("config", "enabled", "name", "online", "role", "steps", "store")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -66,10 +66,7 @@ class _Slot:
         if isinstance(meta, Mapping) and meta.get("validate"):
             return None  # validation never loads or dumps
         call = Call(fn, args, kwargs, signature)
-        if self.online:
-            step = pm.hook.skip_resolve_step(role=self.role, config=self.config, call=call)
-        else:
-            step = _clock.step
+        step = pm.hook.skip_resolve_step(role=self.role, config=self.config, call=call) if self.online else _clock.step
         if step is None or step not in self.steps:
             return None
         return step, call
@@ -85,7 +82,8 @@ class _Slot:
             result = hooks.skip_warp(role=self.role, config=self.config, store=self.store, hit=hit, call=call)
         except Exception as exc:
             warnings.warn(
-                f"skip.{self.name} step {step}: replacing the call from step {hit.step} failed ({exc!r}); running it instead",
+                f"skip.{self.name} step {step}: replacing the call from step {hit.step} failed ({exc!r}); "
+                "running it instead",
                 CacheWarning,
                 stacklevel=2,
             )

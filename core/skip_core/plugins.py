@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 import os
 import re
-import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -104,9 +103,7 @@ def _registrar(reg: Registry, kind: str, plugin: str) -> Callable:
         name = item.name if factory is None else item
         if name in table:
             other = distribution(reg.provider[(kind, name)])
-            raise ValueError(
-                f"{kind[:-1]} {name!r} is registered by both {other} and {distribution(plugin)}"
-            )
+            raise ValueError(f"{kind[:-1]} {name!r} is registered by both {other} and {distribution(plugin)}")
         table[name] = item if factory is None else factory
         reg.provider[(kind, name)] = plugin
 
@@ -121,7 +118,7 @@ def installed() -> list[tuple[str, str, str, Registry]]:
     """(plugin name, distribution, version, what it registered) for each loaded plugin."""
     reg = registry()
     rows = []
-    for name, plugin in pm.list_name_plugin():
+    for name, _ in pm.list_name_plugin():
         dist, version = _distributions.get(name, (name, "?"))
         mine = Registry()
         for (kind, item), owner in reg.provider.items():
@@ -138,4 +135,3 @@ def _reset_for_tests() -> None:
         pm.unregister(plugin, name=name)
     _distributions.clear()
     _loaded = False
-    sys.modules.pop("skip_core.caching", None)

@@ -9,7 +9,6 @@ samples never share a step.
 import re
 
 import numpy as np
-
 from skip_core import Role, hookimpl
 
 ROLE = Role(

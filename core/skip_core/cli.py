@@ -1,0 +1,173 @@
+"""The ``skip`` command: inspect plugins and caches, run the main job."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from skip_core import store as cache_store
+
+console = Console()
+
+
+@click.group()
+@click.version_option(package_name="skip-core")
+def cli() -> None:
+    """skip: skip, cache and replay stages of RL post-training."""
+
+
+@cli.command()
+def plugins() -> None:
+    """List installed plugins and the roles, backends and schedules each provides."""
+    from skip_core.plugins import installed
+
+    table = Table("distribution", "version", "plugin", "roles", "backends", "schedules")
+    for name, dist, version, provided in installed():
+        table.add_row(
+            dist,
+            version,
+            name,
+            ", ".join(provided.roles) or "-",
+            ", ".join(provided.backends) or "-",
+            ", ".join(provided.schedules) or "-",
+        )
+    console.print(table)
+
+
+@cli.group()
+def cache() -> None:
+    """Inspect, verify, prune and import rollout caches."""
+
+
+def _entries(directory: Path, deep: bool):
+    for path in cache_store.scan(directory):
+        try:
+            meta = cache_store.verify(path, deep=deep)
+            yield path, meta, None
+        except cache_store.CorruptEntry as exc:
+            yield path, None, str(exc)
+
+
+def _entry_table(directory: Path, deep: bool) -> tuple[Table, int]:
+    table = Table("role", "step", "samples", "MB", "status")
+    table.add_column("entry", overflow="fold")
+    bad = 0
+    for path, meta, problem in _entries(directory, deep):
+        bad += problem is not None
+        meta = meta or {}
+        size = sum(f.get("bytes", 0) for f in (meta.get("files") or {}).values()) / 1e6
+        status = f"[red]corrupt: {problem}[/red]" if problem else "[green]ok[/green]" + ("" if deep else " (sizes)")
+        table.add_row(
+            str(meta.get("role", "?")),
+            path.name,
+            str(meta.get("samples", "?")),
+            f"{size:.1f}",
+            status,
+            str(path.relative_to(directory)) if path != directory else ".",
+        )
+    return table, bad
+
+
+@cache.command("ls")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+def cache_ls(directory: Path) -> None:
+    """List cache entries under DIRECTORY (sizes checked; use verify for hashes)."""
+    table, _ = _entry_table(directory, deep=False)
+    console.print(table)
+
+
+@cache.command("verify")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+def cache_verify(directory: Path) -> None:
+    """Check every entry's files against its recorded sizes and hashes; exit 1 if any is bad."""
+    table, bad = _entry_table(directory, deep=True)
+    console.print(table)
+    if bad:
+        console.print(f"[red]{bad} corrupt entr{'y' if bad == 1 else 'ies'}[/red]")
+        sys.exit(1)
+    console.print(f"all {table.row_count} entries verified")
+
+
+@cache.command("prune")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--dry-run", is_flag=True, help="Only print what would be removed.")
+@click.option(
+    "--min-age",
+    default=3600.0,
+    show_default=True,
+    help="Seconds since a leftover temporary directory was last touched before it is removed "
+    "(younger ones may belong to a dump in progress).",
+)
+def cache_prune(directory: Path, dry_run: bool, min_age: float) -> None:
+    """Remove corrupt entries and leftovers of interrupted dumps under DIRECTORY."""
+    doomed = [(p, f"corrupt: {why}") for p, _, why in _entries(directory, deep=True) if why]
+    now = time.time()
+    for path in cache_store.leftovers(directory):
+        if now - path.stat().st_mtime >= min_age:
+            doomed.append((path, "leftover of an interrupted dump"))
+    for path, why in doomed:
+        console.print(f"{'would remove' if dry_run else 'removing'} {path} ({why})")
+        if not dry_run:
+            shutil.rmtree(path, ignore_errors=True)
+    console.print(f"{len(doomed)} director{'y' if len(doomed) == 1 else 'ies'} {'to remove' if dry_run else 'removed'}")
+
+
+@cache.command("import-verl")
+@click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("dst", type=click.Path(file_okay=False, path_type=Path))
+@click.option(
+    "--trust-pickle",
+    is_flag=True,
+    help="Required: verl's gen_batch.dp files are pickles, and reading a pickle can run code. "
+    "Only convert dumps you made yourself or fully trust.",
+)
+def cache_import_verl(src: Path, dst: Path, trust_pickle: bool) -> None:
+    """Convert verl's gen_batch.dp dumps under SRC into verified skip entries under DST."""
+    if not trust_pickle:
+        raise click.UsageError(
+            "verl dumps are pickles and can execute code when read; pass --trust-pickle "
+            "if you made these files yourself or trust their source"
+        )
+    from skip_core.verl_import import import_verl
+
+    written = import_verl(src, dst, echo=console.print)
+    console.print(f"imported {len(written)} entr{'y' if len(written) == 1 else 'ies'} into {dst}")
+
+
+@cli.command(context_settings={"ignore_unknown_options": True})
+@click.argument("overrides", nargs=-1)
+@click.option(
+    "--config-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("configs"),
+    show_default=True,
+    help="Directory holding the Hydra configs.",
+)
+@click.option("--config-name", default="run", show_default=True)
+def run(overrides: tuple[str, ...], config_dir: Path, config_name: str) -> None:
+    """Run the main job with Hydra OVERRIDES (e.g. skip.rollout.steps=[1,2,3])."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    from skip_core.config import ConfigError, register_hydra_defaults
+
+    if not (config_dir / f"{config_name}.yaml").is_file():
+        raise click.UsageError(f"no config {config_name}.yaml in {config_dir.resolve()} (set --config-dir)")
+    register_hydra_defaults()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir.resolve()), version_base=None):
+            config = compose(config_name=config_name, overrides=list(overrides))
+    except HydraException as exc:
+        raise click.UsageError(str(exc)) from None
+    from skip_core.example import run as run_example
+
+    try:
+        run_example(config, console)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
