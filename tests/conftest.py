@@ -1,0 +1,60 @@
+import numpy as np
+import pytest
+import torch
+from skip_core import Batch, SkipManager
+
+
+@pytest.fixture(autouse=True)
+def _fresh_manager():
+    SkipManager.reset()
+    yield
+    SkipManager.reset()
+
+
+def make_prompts(n: int = 4, seed: int = 0, validate: bool = False) -> Batch:
+    generator = torch.Generator().manual_seed(seed)
+    return Batch.from_dict(
+        tensors={"input_ids": torch.randint(0, 1000, (n, 8), generator=generator)},
+        non_tensors={"raw_prompt": [f"prompt {seed}-{i}" for i in range(n)], "uid": [f"u{i}" for i in range(n)]},
+        meta_info={"validate": validate},
+    )
+
+
+def run_config(dump_dir, role: str = "rollout", **section) -> dict:
+    """A verl-shaped run config with one enabled role."""
+    settings = {"enable": True, "dump_dir": str(dump_dir), "steps": [1, 2, 3], "action": "cache", **section}
+    return {
+        "skip": {role: settings},
+        "trainer": {"experiment_name": "exp", "project_name": "proj"},
+        "data": {"train_batch_size": 4, "max_prompt_length": 8, "max_response_length": 16},
+        "actor_rollout_ref": {"rollout": {"n": 1}},
+    }
+
+
+class Generator:
+    """A rollout stand-in whose output depends on its inputs and a per-call counter."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def output(self, prompts: Batch) -> Batch:
+        self.calls += 1
+        responses = prompts.batch["input_ids"] * 10 + self.calls
+        return Batch.from_dict(
+            {"responses": responses, "rollout_log_probs": torch.rand(responses.shape)},
+            {"raw_prompt": prompts.non_tensor_batch["raw_prompt"], "call": np.array([self.calls] * len(prompts))},
+            {"generated_by_call": self.calls},
+        )
+
+    @SkipManager.annotate(role="rollout")
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        return self.output(prompts)
+
+    @SkipManager.annotate(role="rollout")
+    async def agenerate_sequences(self, prompts: Batch) -> Batch:
+        return self.output(prompts)
+
+
+@pytest.fixture
+def generator() -> Generator:
+    return Generator()
