@@ -13,7 +13,16 @@ from rich.table import Table
 
 from skip_core import store as cache_store
 
-console = Console()
+# Pipes and CI logs get 80 columns by default, which would fold every path; give them room.
+console = Console(width=None if Console().is_terminal else 160)
+
+
+def _table(*columns: str, **options) -> Table:
+    """A table whose cells wrap instead of being cut off (logs and pipes are 80 columns wide)."""
+    table = Table(**options)
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    return table
 
 
 @click.group()
@@ -27,7 +36,7 @@ def plugins() -> None:
     """List installed plugins and the roles, backends and schedules each provides."""
     from skip_core.plugins import installed
 
-    table = Table("distribution", "version", "plugin", "roles", "backends", "schedules")
+    table = _table("distribution", "version", "plugin", "roles", "backends", "schedules")
     for name, dist, version, provided in installed():
         table.add_row(
             dist,
@@ -55,8 +64,7 @@ def _entries(directory: Path, deep: bool):
 
 
 def _entry_table(directory: Path, deep: bool) -> tuple[Table, int]:
-    table = Table("role", "step", "samples", "MB", "status")
-    table.add_column("entry", overflow="fold")
+    table = _table("role", "step", "samples", "MB", "status", "entry")
     bad = 0
     for path, meta, problem in _entries(directory, deep):
         bad += problem is not None

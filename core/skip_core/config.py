@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator
 
 # Roles whose plugin ships with this project: an enabled role that is not installed gets
 # the distribution to install in its error message.
@@ -39,6 +39,11 @@ class RoleConfig(BaseModel):
     # ``skip_core.encoding.fingerprint``): load anyway with a warning, run the function
     # again and replace the entry, or raise ``PromptMismatchError``.
     on_prompt_mismatch: Literal["warn", "regenerate", "error"] = "warn"
+
+    @field_validator("dump_dir", mode="before")
+    @classmethod
+    def _path_to_text(cls, value: Any) -> Any:
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
 
     @property
     def dump_path(self) -> str:

@@ -157,10 +157,15 @@ class CacheStore:
         return final
 
     def _makedirs(self) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        """Create the namespace directories one by one, never following a link out of the root."""
+        self.root.mkdir(parents=True, exist_ok=True)
         root = self.root.resolve()
-        if not self.directory.resolve().is_relative_to(root):
-            raise PermissionError(f"{self.directory} resolves outside the dump directory {root}; refusing to write")
+        current = self.root
+        for part in self.directory.relative_to(self.root).parts:
+            current = current / part
+            if not current.resolve().is_relative_to(root):
+                raise PermissionError(f"{current} resolves outside the dump directory {root}; refusing to write")
+            current.mkdir(exist_ok=True)
 
 
 def verify(path: Path, role: str | None = None, namespace: Namespace | None = None, deep: bool = True) -> dict:

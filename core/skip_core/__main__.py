@@ -1,0 +1,3 @@
+from skip_core.cli import cli
+
+cli()
