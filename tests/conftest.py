@@ -20,7 +20,7 @@ def make_prompts(n: int = 4, seed: int = 0, validate: bool = False) -> Batch:
     )
 
 
-def run_config(dump_dir, role: str = "rollout", **section) -> dict:
+def run_config(dump_dir, /, role: str = "rollout", **section) -> dict:
     """A verl-shaped run config with one enabled role."""
     settings = {"enable": True, "dump_dir": str(dump_dir), "steps": [1, 2, 3], "action": "cache", **section}
     return {
