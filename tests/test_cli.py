@@ -1,0 +1,95 @@
+import os
+import time
+
+import pytest
+from click.testing import CliRunner
+from skip_core.cli import cli
+from skip_core.store import CacheStore
+from test_store import NS, corrupt_one_byte, make_batch
+
+
+@pytest.fixture
+def cache(tmp_path):
+    store = CacheStore(tmp_path, NS, role="rollout")
+    for step in (1, 2, 3):
+        store.save(step, make_batch(seed=step))
+    return store
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_plugins_lists_distributions_and_roles():
+    result = invoke("plugins")
+    assert result.exit_code == 0
+    assert "skip-plugin-rollout" in result.output and "async_rollout" in result.output
+
+
+def test_ls_lists_every_entry(cache, tmp_path):
+    result = invoke("cache", "ls", tmp_path)
+    assert result.exit_code == 0
+    assert result.output.count("ok (sizes)") == 3
+    assert "exp_proj/GBS4_N1_in8_out16/2" in result.output
+
+
+def test_verify_passes_a_clean_cache_and_fails_a_corrupt_one(cache, tmp_path):
+    assert invoke("cache", "verify", tmp_path).exit_code == 0
+    corrupt_one_byte(cache.path(2) / "tensors.safetensors")
+    assert invoke("cache", "ls", tmp_path).output.count("ok (sizes)") == 3  # same size: only a hash shows it
+    result = invoke("cache", "verify", tmp_path)
+    assert result.exit_code == 1
+    assert "does not match its recorded hash" in result.output and "1 corrupt entry" in result.output
+
+
+def test_verify_accepts_a_single_step_directory(cache):
+    assert invoke("cache", "verify", cache.path(1)).exit_code == 0
+
+
+def test_prune_removes_corrupt_entries_and_old_leftovers_only(cache, tmp_path):
+    corrupt_one_byte(cache.path(3) / "data.json")
+    old, fresh = cache.directory / ".tmp-4-old", cache.directory / ".tmp-5-fresh"
+    old.mkdir()
+    fresh.mkdir()
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+
+    dry = invoke("cache", "prune", tmp_path, "--dry-run")
+    assert "2 directories to remove" in dry.output and cache.path(3).exists()
+
+    result = invoke("cache", "prune", tmp_path)
+    assert result.exit_code == 0
+    assert sorted(p.name for p in cache.directory.iterdir()) == [".tmp-5-fresh", "1", "2"]
+    assert invoke("cache", "verify", tmp_path).exit_code == 0
+
+
+def test_import_verl_requires_trust_pickle(tmp_path):
+    result = CliRunner().invoke(cli, ["cache", "import-verl", str(tmp_path), str(tmp_path / "out")])
+    assert result.exit_code == 2 and "--trust-pickle" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_run_reports_config_errors_in_one_line(tmp_path):
+    configs = os.path.join(os.path.dirname(__file__), "..", "configs")
+    result = invoke("run", "--config-dir", configs, "skip.rollout.action=cahce", f"skip.rollout.dump_dir={tmp_path}")
+    assert result.exit_code == 1
+    assert "skip.rollout.action: expected 'cache' or 'repeat', got 'cahce'" in result.output
+
+
+def test_run_generates_then_loads_the_listed_steps(tmp_path):
+    configs = os.path.join(os.path.dirname(__file__), "..", "configs")
+    args = [
+        "run",
+        "--config-dir",
+        configs,
+        f"skip.rollout.dump_dir={tmp_path}",
+        "skip.rollout.steps=[1,2]",
+        "trainer.total_steps=3",
+        "data.max_response_length=8",
+        "example.hidden=32",
+    ]
+    first = invoke(*args)
+    assert first.exit_code == 0, first.output
+    assert first.output.count("generated") >= 3 and "3 generated" in first.output
+    second = invoke(*args)
+    assert "2 loaded" in second.output and "1 generated" in second.output
+    assert sorted(p.name for p in tmp_path.glob("*/*/*")) == ["1", "2"]
