@@ -56,6 +56,13 @@ def test_unknown_enabled_role_lists_installed_roles(tmp_path):
         SkipManager.init(run_config(tmp_path, role="reward"))
 
 
+def test_hydra_target_markers_of_verl_configs_are_ignored(tmp_path):
+    config = run_config(tmp_path)
+    config["skip"]["_target_"] = "verl.utils.skip.config.SkipManagerConfig"
+    config["skip"]["rollout"]["_target_"] = "verl.utils.skip.config.RolloutSkipConfig"
+    SkipManager.init(config)
+
+
 def test_unknown_disabled_role_is_ignored(tmp_path):
     SkipManager.init({"skip": {"reward": {"enable": False, "whatever": 1}}})
 

@@ -57,9 +57,14 @@ def parse_role(model: type[RoleConfig], key: str, raw: Any) -> RoleConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{key}: expected a mapping of settings, got {raw!r}")
     try:
-        return model.model_validate(dict(raw))
+        return model.model_validate({k: v for k, v in raw.items() if not is_hydra_marker(k)})
     except ValidationError as exc:
         raise ConfigError(_one_line(key, model, exc)) from None
+
+
+def is_hydra_marker(key: Any) -> bool:
+    """``_target_``, ``_recursive_`` and the like: instructions to Hydra, not settings (verl has them)."""
+    return isinstance(key, str) and len(key) > 2 and key.startswith("_") and key.endswith("_")
 
 
 def _one_line(key: str, model: type[BaseModel], exc: ValidationError) -> str:

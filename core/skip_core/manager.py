@@ -22,7 +22,16 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
-from skip_core.config import KNOWN_ROLES, ConfigError, Namespace, RoleConfig, parse_role, select, to_container
+from skip_core.config import (
+    KNOWN_ROLES,
+    ConfigError,
+    Namespace,
+    RoleConfig,
+    is_hydra_marker,
+    parse_role,
+    select,
+    to_container,
+)
 from skip_core.plugins import pm, registry
 from skip_core.roles import Call, Role, prompts_of
 from skip_core.store import CacheStore, CacheWarning
@@ -229,6 +238,8 @@ def _parse(config: Any) -> dict[str, tuple[Role, RoleConfig, CacheStore]]:
     namespace = Namespace.from_config(config)
     active = {}
     for name, raw in section.items():
+        if is_hydra_marker(name):
+            continue
         role = roles.get(name)
         if role is None:
             _require_installed(name, raw, roles)
