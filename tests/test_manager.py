@@ -1,5 +1,7 @@
 import asyncio
 import shutil
+import subprocess
+import sys
 import threading
 import warnings
 
@@ -9,7 +11,7 @@ from conftest import Generator, make_prompts, run_config
 from omegaconf import OmegaConf
 from skip_core import SkipManager, encoding
 from skip_core.caching import PromptMismatchError, PromptMismatchWarning
-from skip_core.store import CacheWarning, verify
+from skip_core.store import CacheWarning, scan, verify
 
 
 def steps_on_disk(dump_dir) -> list[int]:
@@ -294,3 +296,22 @@ def test_threads_dumping_one_step_leave_one_valid_entry(tmp_path):
     loaded = encoding.read(entry)
     verify(entry)
     assert any(loaded.equals(out) for out in results.values())
+
+
+def test_a_normal_interpreter_exit_waits_for_pending_dumps(tmp_path):
+    script = f"""
+import torch
+from skip_core import Batch, SkipManager
+
+@SkipManager.annotate(role="rollout")
+def generate(prompts):
+    return Batch.from_dict({{"responses": torch.rand(256, 32768)}})  # 32 MB: still writing at exit
+
+SkipManager.init({{"skip": {{"rollout": {{"enable": True, "dump_dir": {str(tmp_path)!r}, "steps": [1]}}}}}})
+SkipManager.set_step(1)
+generate(Batch.from_dict({{"input_ids": torch.zeros(256, 1)}}))
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    (entry,) = scan(tmp_path)
+    verify(entry)
+    assert encoding.read(entry).batch["responses"].shape == (256, 32768)
