@@ -1,3 +1,4 @@
+import json
 import os
 import time
 
@@ -40,6 +41,19 @@ def test_verify_passes_a_clean_cache_and_fails_a_corrupt_one(cache, tmp_path):
     result = invoke("cache", "verify", tmp_path)
     assert result.exit_code == 1
     assert "does not match its recorded hash" in result.output and "1 corrupt entry" in result.output
+
+
+def test_names_from_disk_are_never_read_as_markup(cache, tmp_path):
+    meta = json.loads((cache.path(1) / "meta.json").read_text())
+    meta["role"] = "[/x][bold]evil"
+    (cache.path(1) / "meta.json").write_text(json.dumps(meta))
+    meta = json.loads((cache.path(2) / "meta.json").read_text())
+    meta["version"] = "[/oops]"
+    (cache.path(2) / "meta.json").write_text(json.dumps(meta))
+    result = invoke("cache", "verify", tmp_path)
+    assert result.exit_code == 1
+    assert "[/x][bold]evil" in result.output and "'[/oops]'" in result.output
+    assert invoke("cache", "prune", tmp_path, "--dry-run").exit_code == 0
 
 
 def test_verify_accepts_a_single_step_directory(cache):

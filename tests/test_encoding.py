@@ -16,6 +16,8 @@ from skip_core.encoding import EncodingError, decode, encode, fingerprint
         {"__skip__": "looks like a tag"},
         np.float32(0.25),
         np.int64(-3),
+        np.float64(0.1),  # a float subclass: must come back as np.float64, not float
+        np.str_("text"),
         np.array([[1, 2], [3, 4]], dtype=np.uint8),
         np.array(["a", "bc"]),
         np.array([{"a": 1}, [1, 2], None], dtype=object),

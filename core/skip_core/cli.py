@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from skip_core import store as cache_store
 
@@ -70,14 +71,18 @@ def _entry_table(directory: Path, deep: bool) -> tuple[Table, int]:
         bad += problem is not None
         meta = meta or {}
         size = sum(f.get("bytes", 0) for f in (meta.get("files") or {}).values()) / 1e6
-        status = f"[red]corrupt: {problem}[/red]" if problem else "[green]ok[/green]" + ("" if deep else " (sizes)")
+        if problem:
+            status = Text(f"corrupt: {problem}", style="red")
+        else:
+            status = Text("ok" + ("" if deep else " (sizes)"), style="green")
+        # Text cells: names and reasons come from files on disk and must never be read as markup.
         table.add_row(
-            str(meta.get("role", "?")),
-            path.name,
-            str(meta.get("samples", "?")),
+            Text(str(meta.get("role", "?"))),
+            Text(path.name),
+            Text(str(meta.get("samples", "?"))),
             f"{size:.1f}",
             status,
-            str(path.relative_to(directory)) if path != directory else ".",
+            Text(str(path.relative_to(directory)) if path != directory else "."),
         )
     return table, bad
 
@@ -120,7 +125,7 @@ def cache_prune(directory: Path, dry_run: bool, min_age: float) -> None:
         if now - path.stat().st_mtime >= min_age:
             doomed.append((path, "leftover of an interrupted dump"))
     for path, why in doomed:
-        console.print(f"{'would remove' if dry_run else 'removing'} {path} ({why})")
+        console.print(f"{'would remove' if dry_run else 'removing'} {path} ({why})", markup=False, highlight=False)
         if not dry_run:
             shutil.rmtree(path, ignore_errors=True)
     console.print(f"{len(doomed)} director{'y' if len(doomed) == 1 else 'ies'} {'to remove' if dry_run else 'removed'}")
@@ -135,7 +140,22 @@ def cache_prune(directory: Path, dry_run: bool, min_age: float) -> None:
     help="Required: verl's gen_batch.dp files are pickles, and reading a pickle can run code. "
     "Only convert dumps you made yourself or fully trust.",
 )
-def cache_import_verl(src: Path, dst: Path, trust_pickle: bool) -> None:
+@click.option(
+    "--experiment-name",
+    default=None,
+    help="verl's trainer.experiment_name, for a {experiment}_{project} directory name that splits more than one way.",
+)
+@click.option("--project-name", default=None, help="verl's trainer.project_name (see --experiment-name).")
+@click.option(
+    "--role",
+    type=click.Choice(["rollout", "async_rollout"]),
+    default="rollout",
+    show_default=True,
+    help="Role of the entries: verl's async_rollout dumps have the same layout, with feed indices as steps.",
+)
+def cache_import_verl(
+    src: Path, dst: Path, trust_pickle: bool, experiment_name: str | None, project_name: str | None, role: str
+) -> None:
     """Convert verl's gen_batch.dp dumps under SRC into verified skip entries under DST."""
     if not trust_pickle:
         raise click.UsageError(
@@ -144,8 +164,18 @@ def cache_import_verl(src: Path, dst: Path, trust_pickle: bool) -> None:
         )
     from skip_core.verl_import import import_verl
 
-    written = import_verl(src, dst, echo=console.print)
-    console.print(f"imported {len(written)} entr{'y' if len(written) == 1 else 'ies'} into {dst}")
+    written = import_verl(
+        src,
+        dst,
+        # lines quote paths and names read from the dump: never rich markup
+        echo=lambda line: console.print(line, markup=False, highlight=False),
+        experiment_name=experiment_name,
+        project_name=project_name,
+        role=role,
+    )
+    console.print(f"imported {len(written)} entr{'y' if len(written) == 1 else 'ies'} into {dst}", markup=False)
+    if written.failed:
+        sys.exit(1)
 
 
 @cli.command(context_settings={"ignore_unknown_options": True})

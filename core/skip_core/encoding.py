@@ -76,12 +76,12 @@ def _is_partial(tensor: Any) -> bool:
 
 def encode(value: Any, where: str) -> Any:
     """A JSON-ready form of ``value``; ``where`` names it in errors."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
     if isinstance(value, np.ndarray):
         return _encode_array(value, where)
-    if isinstance(value, np.generic):
+    if isinstance(value, np.generic):  # before the builtins: np.float64 is a float, np.str_ a str
         return {_TAG: "scalar", "dtype": value.dtype.str, "value": encode(value.item(), where)}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
     if isinstance(value, list):
         return [encode(v, f"{where}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, tuple):
