@@ -35,9 +35,9 @@ def cli() -> None:
 @cli.command()
 def plugins() -> None:
     """List installed plugins and the roles, backends and schedules each provides."""
-    from skip_core.plugins import installed
+    from skip_core.plugins import installed, pm
 
-    table = _table("distribution", "version", "plugin", "roles", "backends", "schedules")
+    table = _table("distribution", "version", "plugin", "roles", "backends", "schedules", "hooks")
     for name, dist, version, provided in installed():
         table.add_row(
             dist,
@@ -46,6 +46,7 @@ def plugins() -> None:
             ", ".join(provided.roles) or "-",
             ", ".join(provided.backends) or "-",
             ", ".join(provided.schedules) or "-",
+            ", ".join(sorted(caller.name for caller in pm.get_hookcallers(pm.get_plugin(name)) or ())),
         )
     console.print(table)
 
