@@ -159,6 +159,8 @@ def load_mmap(path: Path, layout: list[tuple[torch.dtype, tuple[int, ...]]]) -> 
 
 
 def load_pickle(path: Path) -> tuple[int, ...]:
+    # The baseline verl uses; it reads back only the file dump_pickle wrote in this run's own
+    # temporary directory, never anything supplied from outside.
     with open(path, "rb") as f:
         batch = pickle.load(f)
     return touch(batch.batch.values())

@@ -116,10 +116,8 @@ def select(config: Any, dotted: str) -> Any:
 
 def to_container(node: Any) -> Any:
     """A plain-Python copy of a config node (OmegaConf interpolations resolved)."""
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-    except ImportError:
-        return node
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
     if isinstance(node, (DictConfig, ListConfig)):
         return OmegaConf.to_container(node, resolve=True)
     return node

@@ -33,7 +33,7 @@ from skip_core.config import (
     to_container,
 )
 from skip_core.plugins import pm, registry
-from skip_core.roles import Call, Role, prompts_of
+from skip_core.roles import Call, Role, prompts_of, prompts_position
 from skip_core.store import CacheStore, CacheWarning
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -174,8 +174,7 @@ class SkipManager:
 
         def decorate(fn: F) -> F:
             signature = inspect.signature(fn)
-            params = list(signature.parameters)
-            position = 1 if params and params[0] in ("self", "cls") else 0
+            position = prompts_position(signature)
             if inspect.iscoroutinefunction(fn):
                 return functools.wraps(fn)(_async_wrapper(slot, fn, signature, position))
             return functools.wraps(fn)(_sync_wrapper(slot, fn, signature, position))
@@ -282,13 +281,10 @@ def _retire_legacy_rollout_skip(config: Any, active: Mapping[str, Any]) -> None:
         DeprecationWarning,
         stacklevel=3,
     )
-    try:
-        from omegaconf import DictConfig, open_dict, read_write
+    from omegaconf import DictConfig, open_dict, read_write
 
-        if isinstance(legacy, DictConfig):
-            with read_write(legacy), open_dict(legacy):
-                legacy.enable = False
-            return
-    except ImportError:
-        pass
-    legacy["enable"] = False
+    if isinstance(legacy, DictConfig):
+        with read_write(legacy), open_dict(legacy):
+            legacy.enable = False
+    else:
+        legacy["enable"] = False

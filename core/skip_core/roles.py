@@ -60,7 +60,7 @@ class Call:
     @cached_property
     def prompts(self) -> Any:
         """The prompts batch: ``prompts=``, else the first positional argument after ``self``."""
-        return prompts_of(self.args, self.kwargs, _prompts_position(self.signature))
+        return prompts_of(self.args, self.kwargs, prompts_position(self.signature))
 
     @cached_property
     def fingerprint(self) -> str | None:
@@ -76,7 +76,8 @@ def prompts_of(args: tuple, kwargs: dict, position: int) -> Any:
     return args[position] if len(args) > position else None
 
 
-def _prompts_position(signature: inspect.Signature | None) -> int:
+def prompts_position(signature: inspect.Signature | None) -> int:
+    """Where the prompts batch sits among positional arguments: after ``self``/``cls`` for methods."""
     if signature is None:
         return 0
     params = list(signature.parameters)

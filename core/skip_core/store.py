@@ -99,6 +99,9 @@ class CacheStore:
             names = os.listdir(self.directory)
         except FileNotFoundError:
             return []
+        except OSError as exc:
+            warnings.warn(f"skip: cannot list cache directory {self.directory}: {exc}", CacheWarning, stacklevel=2)
+            return []
         return sorted(int(n) for n in names if n.isdigit())
 
     def entry(self, step: int) -> Entry | None:
