@@ -15,7 +15,8 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     from skip_core.plugins import installed
     rows = [(dist, sorted(provided.roles)) for _, dist, _, provided in installed()]
-print(json.dumps({"rows": rows, "warnings": [str(w.message) for w in caught]}))
+    provides = {dist: [sorted(p.backends), sorted(p.schedules)] for _, dist, _, p in installed()}
+print(json.dumps({"rows": rows, "provides": provides, "warnings": [str(w.message) for w in caught]}))
 """
 
 
@@ -77,6 +78,26 @@ def test_a_separately_installed_distribution_provides_a_role(tmp_path):
         """,
     )
     assert ["skip-plugin-scores", ["scores"]] in loaded(site=tmp_path)["rows"]
+
+
+def test_backends_and_schedules_register_by_name_with_a_factory(tmp_path):
+    install_distribution(
+        tmp_path,
+        "skip-plugin-engines",
+        "skip_plugin_engines",
+        """
+        from skip_core import hookimpl
+
+        @hookimpl
+        def skip_register_backends(register):
+            register("toy", lambda config: None)
+
+        @hookimpl
+        def skip_register_schedules(register):
+            register("toy_async", lambda config: None)
+        """,
+    )
+    assert loaded(site=tmp_path)["provides"]["skip-plugin-engines"] == [["toy"], ["toy_async"]]
 
 
 def test_two_plugins_registering_one_role_is_an_error(tmp_path):
