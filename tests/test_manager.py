@@ -1,4 +1,5 @@
 import asyncio
+import json
 import shutil
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from conftest import Generator, make_prompts, run_config
 from omegaconf import OmegaConf
 from skip_core import SkipManager, encoding
 from skip_core.caching import PromptMismatchError, PromptMismatchWarning
-from skip_core.store import CacheWarning, scan, verify
+from skip_core.store import CacheWarning, file_digest, scan, verify
 
 
 def steps_on_disk(dump_dir) -> list[int]:
@@ -218,17 +219,24 @@ def test_dump_into_a_vanished_directory_warns_and_training_goes_on(tmp_path, gen
     assert len(out) == 4
 
 
-def test_a_failed_load_falls_back_to_running(tmp_path, generator, monkeypatch):
+def test_a_failed_load_falls_back_to_running_and_replaces_the_entry(tmp_path, generator):
+    """An entry that verifies (hashes consistent) but cannot be decoded: warn, run, re-dump."""
     SkipManager.init(run_config(tmp_path, steps=[1]))
     run_steps(generator, [1])
+    (entry,) = scan(tmp_path)
+    (entry / "data.json").write_text('{"non_tensor_batch": {"x": {"__skip__": "pickle"}}, "meta_info": {}}')
+    meta = json.loads((entry / "meta.json").read_text())
+    meta["files"]["data.json"] = {
+        "bytes": (entry / "data.json").stat().st_size,
+        "xxh3_128": file_digest(entry / "data.json"),
+    }
+    (entry / "meta.json").write_text(json.dumps(meta))
 
-    def broken(directory):
-        raise OSError("disk went away")
-
-    monkeypatch.setattr(encoding, "read", broken)  # the disk, not our code, fails here
     with pytest.warns(CacheWarning, match="running it instead"):
-        run_steps(generator, [1])
+        (regenerated,) = run_steps(generator, [1])
+    (loaded,) = run_steps(generator, [1])
     assert generator.calls == 2
+    assert loaded.equals(regenerated)
 
 
 def test_flush_waits_for_background_dumps(tmp_path, generator):
