@@ -4,7 +4,7 @@ from hydra import compose, initialize_config_dir
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from skip_core import ConfigError, SkipManager
-from skip_core.config import Namespace, RoleConfig, parse_role, register_hydra_defaults
+from skip_core.config import Namespace, RoleConfig, parse_section, register_hydra_defaults
 
 
 @pytest.mark.parametrize(
@@ -87,7 +87,7 @@ def test_namespace_rejects_non_integer_lengths(tmp_path):
 
 def test_dump_dir_expands_home(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert parse_role(RoleConfig, "skip.rollout", {"dump_dir": "~/cache"}).dump_path == f"{tmp_path}/cache"
+    assert parse_section(RoleConfig, "skip.rollout", {"dump_dir": "~/cache"}).dump_path == f"{tmp_path}/cache"
 
 
 values = st.one_of(
@@ -111,7 +111,7 @@ sections = st.dictionaries(
 def test_any_section_is_accepted_valid_or_rejected_naming_its_key(section):
     """Property: parsing never raises anything but ConfigError, whose message starts with the key."""
     try:
-        parsed = parse_role(RoleConfig, "skip.rollout", section)
+        parsed = parse_section(RoleConfig, "skip.rollout", section)
     except ConfigError as error:
         text = str(error)
         assert text.startswith("skip.rollout.")

@@ -1,20 +1,34 @@
 """The rollout backend interface: an async, per-request generation engine.
 
 Backends register through ``skip_register_backends`` and are chosen with
-``rollout.backend=<name>``. The agent loop drives them one request at a time; a backend
-batches concurrent requests itself.
+``rollout.backend=<name>``. The agent loop sends one request per conversation turn and many
+turns concurrently; a backend batches the requests that are waiting itself.
+
+Cancelling the task awaiting ``generate`` aborts that request: the agent loop relies on it
+to enforce timeouts without leaving work running in the engine.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from skip_core.config import ConfigError
+
+# Backends users ask for by name before installing them: name -> distribution to install.
+KNOWN_BACKENDS = {"hf": "skip-plugin-hf", "vllm": "skip-plugin-vllm", "sglang": "skip-plugin-sglang"}
 
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """What to sample; ``temperature=0`` is greedy, ``top_k=-1`` and ``top_p=1`` disable filtering.
+
+    ``seed`` makes a request reproducible: sample ``i`` of ``n`` draws from its own generator
+    seeded from ``(seed, i)``, whatever else shares the batch.
+    """
+
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -22,26 +36,48 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()
     stop: Sequence[str] = ()
     seed: int | None = None
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        checks = {
+            "temperature": self.temperature >= 0,
+            "top_p": 0 < self.top_p <= 1,
+            "top_k": self.top_k == -1 or self.top_k > 0,
+            "max_new_tokens": self.max_new_tokens > 0,
+            "n": self.n > 0,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"SamplingParams.{name}: invalid value {getattr(self, name)!r}")
+
+
+FinishReason = Literal["length", "stop", "abort"]
 
 
 @dataclass(frozen=True)
 class Generation:
-    """One completion: token ids, the log-prob of each sampled token, and why it ended."""
+    """One completion: the sampled token ids, the log-prob of each, and why it ended.
+
+    ``log_probs[i]`` is the log-probability of ``token_ids[i]`` under the model's
+    distribution at the sampling temperature, before top-k/top-p filtering (what the
+    trainer recomputes as old log-probs). A completion that stopped on a stop token ends
+    with that token; one that stopped on a stop string ends with the token completing it.
+    """
 
     token_ids: list[int]
     log_probs: list[float]
-    finish_reason: Literal["length", "stop", "abort"]
+    finish_reason: FinishReason
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 
 class RolloutBackend(ABC):
     @abstractmethod
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str) -> Generation:
-        """Generate one completion of ``prompt_ids``."""
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str) -> list[Generation]:
+        """Generate ``params.n`` completions of ``prompt_ids``."""
 
     @abstractmethod
     async def update_weights(self, state_dict: Mapping[str, Any]) -> None:
-        """Load new policy weights from the trainer, in place."""
+        """Load new policy weights from the trainer, in place, between forward passes."""
 
     @abstractmethod
     async def sleep(self) -> None:
@@ -53,4 +89,20 @@ class RolloutBackend(ABC):
 
     @abstractmethod
     async def shutdown(self) -> None:
-        """Stop the engine and free its resources."""
+        """Stop the engine and free its resources; pending requests end with ``abort``."""
+
+
+def create_backend(name: str, config: Any) -> RolloutBackend:
+    """Build the backend named by ``rollout.backend``, or fail naming what is installed."""
+    from skip_core.plugins import registry
+
+    factory = backend_factory(name, registry().backends)
+    return factory(config)
+
+
+def backend_factory(name: str, installed: Mapping[str, Callable]) -> Callable:
+    if name in installed:
+        return installed[name]
+    have = ", ".join(sorted(installed)) or "none"
+    hint = f"; pip install {KNOWN_BACKENDS[name]} to use it" if name in KNOWN_BACKENDS else ""
+    raise ConfigError(f"rollout.backend: unknown backend {name!r}{hint} (installed: {have})")

@@ -1,11 +1,13 @@
-"""The ``skip`` command: inspect plugins and caches, run the main job."""
+"""The ``skip`` command: inspect plugins and caches, roll out, run the main job."""
 
 from __future__ import annotations
 
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
@@ -179,34 +181,57 @@ def cache_import_verl(
         sys.exit(1)
 
 
-@cli.command(context_settings={"ignore_unknown_options": True})
-@click.argument("overrides", nargs=-1)
-@click.option(
-    "--config-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path("configs"),
-    show_default=True,
-    help="Directory holding the Hydra configs.",
-)
-@click.option("--config-name", default="run", show_default=True)
-def run(overrides: tuple[str, ...], config_dir: Path, config_name: str) -> None:
-    """Run the main job with Hydra OVERRIDES (e.g. skip.rollout.steps=[1,2,3])."""
+def hydra_job(name: str, help: str) -> Callable:
+    """A command composing ``configs/<name>.yaml`` with Hydra overrides, as the design doc shows.
+
+    Relative paths in configs can start from ``${config_dir:}``, the directory of the configs.
+    """
+
+    def decorate(job: Callable[[Any, Console], Any]) -> click.Command:
+        @cli.command(name=name, help=help, context_settings={"ignore_unknown_options": True})
+        @click.argument("overrides", nargs=-1)
+        @click.option(
+            "--config-dir",
+            type=click.Path(file_okay=False, path_type=Path),
+            default=Path("configs"),
+            show_default=True,
+            help="Directory holding the Hydra configs.",
+        )
+        @click.option("--config-name", default=name, show_default=True)
+        def command(overrides: tuple[str, ...], config_dir: Path, config_name: str) -> None:
+            from skip_core.config import ConfigError
+
+            config = _compose(config_dir, config_name, overrides)
+            try:
+                job(config, console)
+            except ConfigError as exc:
+                raise click.ClickException(str(exc)) from None
+
+        return command
+
+    return decorate
+
+
+def _compose(config_dir: Path, config_name: str, overrides: tuple[str, ...]) -> Any:
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
+    from omegaconf import OmegaConf
 
-    from skip_core.config import ConfigError, register_hydra_defaults
+    from skip_core.config import register_hydra_defaults
 
     if not (config_dir / f"{config_name}.yaml").is_file():
         raise click.UsageError(f"no config {config_name}.yaml in {config_dir.resolve()} (set --config-dir)")
     register_hydra_defaults()
+    OmegaConf.register_new_resolver("config_dir", lambda: str(config_dir.resolve()), replace=True)
     try:
         with initialize_config_dir(config_dir=str(config_dir.resolve()), version_base=None):
-            config = compose(config_name=config_name, overrides=list(overrides))
+            return compose(config_name=config_name, overrides=list(overrides))
     except HydraException as exc:
         raise click.UsageError(str(exc)) from None
-    from skip_core.example import run as run_example
 
-    try:
-        run_example(config, console)
-    except ConfigError as exc:
-        raise click.ClickException(str(exc)) from None
+
+@hydra_job("rollout", "Generate one batch through the configured backend and agent loop, with OVERRIDES.")
+def rollout(config: Any, console: Console) -> None:
+    from skip_core.rollout import run
+
+    run(config, console)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator
 
@@ -20,6 +20,9 @@ KNOWN_ROLES = {
     "rollout": "skip-plugin-rollout",
     "async_rollout": "skip-plugin-async-rollout",
 }
+
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class ConfigError(ValueError):
@@ -50,8 +53,8 @@ class RoleConfig(BaseModel):
         return os.path.expanduser(self.dump_dir)
 
 
-def parse_role(model: type[RoleConfig], key: str, raw: Any) -> RoleConfig:
-    """Validate one role section, turning pydantic's report into one line naming the key."""
+def parse_section(model: type[M], key: str, raw: Any) -> M:
+    """Validate one config section, turning pydantic's report into one line naming the key."""
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
@@ -83,10 +86,12 @@ _EXPECTED = {
     "int_parsing": "expected an integer",
     "int_type": "expected an integer",
     "int_from_float": "expected an integer",
-    "greater_than_equal": "expected an integer >= 0",
     "list_type": "expected a list of integers",
     "string_type": "expected a string",
 }
+
+
+_BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
 
 
 def _expectation(error: dict, model: type[BaseModel]) -> str:
@@ -96,6 +101,10 @@ def _expectation(error: dict, model: type[BaseModel]) -> str:
         return f"unknown key (allowed: {allowed})"
     if kind == "literal_error":
         expected = error["ctx"]["expected"]
+    elif kind in _BOUNDS:
+        bound, value = next(iter(error["ctx"].items())), error["input"]
+        number = "an integer" if isinstance(value, int) and not isinstance(value, bool) else "a number"
+        expected = f"{number} {_BOUNDS[kind]} {bound[1]}"
     else:
         expected = _EXPECTED.get(kind, error["msg"].lower()).removeprefix("expected ")
     return f"expected {expected}, got {error['input']!r}"

@@ -44,6 +44,33 @@ def skip_register_schedules(register):
     """
 
 
+@hookspec
+def skip_register_tools(register):
+    """Register agent-loop tools: call ``register(name, factory)``.
+
+    ``factory(config: dict) -> skip_core.tools.Tool`` builds the tool from its entry in the
+    tools YAML (``rollout.multi_turn.tools_config``); a sample uses the tools named in its
+    ``extra_info.tools_kwargs``.
+    """
+
+
+@hookspec
+def skip_register_tool_parsers(register):
+    """Register parsers of tool calls in model output: call ``register(name, factory)``.
+
+    ``factory() -> skip_core.tools.ToolParser``; ``rollout.multi_turn.format=<name>``
+    selects one (``hermes`` is core's default).
+    """
+
+
+@hookspec
+def skip_register_tasks(register):
+    """Register tasks: call ``register(task)`` with a ``skip_core.tasks.Task``.
+
+    ``task.name=<name>`` selects one; it provides data, optionally a model, and the score.
+    """
+
+
 @hookspec(firstresult=True)
 def skip_resolve_step(role, config, call):
     """Return the step (``int``) of one call of a role whose ``Role.online_step`` is true.

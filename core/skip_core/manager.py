@@ -28,7 +28,7 @@ from skip_core.config import (
     Namespace,
     RoleConfig,
     is_hydra_marker,
-    parse_role,
+    parse_section,
     select,
     to_container,
 )
@@ -243,7 +243,7 @@ def _parse(config: Any) -> dict[str, tuple[Role, RoleConfig, CacheStore]]:
         if role is None:
             _require_installed(name, raw, roles)
             continue
-        role_config = parse_role(role.config, f"skip.{name}", raw)
+        role_config = parse_section(role.config, f"skip.{name}", raw)
         if role_config.enable:
             active[name] = (role, role_config, _writable_store(name, role_config, namespace))
     return active

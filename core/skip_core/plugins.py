@@ -19,7 +19,7 @@ import pluggy
 
 from skip_core import hookspecs
 
-DEFAULT_PLUGINS = ("skip_core.caching",)
+DEFAULT_PLUGINS = ("skip_core.caching", "skip_core.tools", "skip_core.calculator", "skip_core.arithmetic")
 
 pm = pluggy.PluginManager("skip")
 pm.add_hookspecs(hookspecs)
@@ -79,6 +79,9 @@ class Registry:
     roles: dict[str, Any] = field(default_factory=dict)
     backends: dict[str, Callable] = field(default_factory=dict)
     schedules: dict[str, Callable] = field(default_factory=dict)
+    tools: dict[str, Callable] = field(default_factory=dict)
+    tool_parsers: dict[str, Callable] = field(default_factory=dict)
+    tasks: dict[str, Any] = field(default_factory=dict)
     provider: dict[tuple[str, str], str] = field(default_factory=dict)
 
 
@@ -90,6 +93,9 @@ def registry() -> Registry:
         ("roles", pm.hook.skip_register_roles),
         ("backends", pm.hook.skip_register_backends),
         ("schedules", pm.hook.skip_register_schedules),
+        ("tools", pm.hook.skip_register_tools),
+        ("tool_parsers", pm.hook.skip_register_tool_parsers),
+        ("tasks", pm.hook.skip_register_tasks),
     ):
         for impl in hook.get_hookimpls():
             impl.function(register=_registrar(reg, kind, impl.plugin_name))
