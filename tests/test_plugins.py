@@ -15,7 +15,10 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     from skip_core.plugins import installed
     rows = [(dist, sorted(provided.roles)) for _, dist, _, provided in installed()]
-    provides = {dist: [sorted(p.backends), sorted(p.schedules)] for _, dist, _, p in installed()}
+    provides = {}
+    for _, dist, _, p in installed():
+        for kind in ("backends", "schedules", "tools", "tool_parsers", "tasks"):
+            provides.setdefault(dist, {}).setdefault(kind, []).extend(sorted(getattr(p, kind)))
 print(json.dumps({"rows": rows, "provides": provides, "warnings": [str(w.message) for w in caught]}))
 """
 
@@ -26,6 +29,11 @@ def loaded(site: Path | None = None, **env: str) -> dict:
         environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), environ.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, "-c", REPORT], env=environ, capture_output=True, text=True, check=True)
     return json.loads(done.stdout)
+
+
+def distributions(**env: str) -> list[str]:
+    """Loaded distributions in load order, each once (core has several default plugins)."""
+    return list(dict.fromkeys(dist for dist, _ in loaded(**env)["rows"]))
 
 
 def install_distribution(site: Path, name: str, module: str, source: str) -> None:
@@ -44,16 +52,20 @@ def test_installed_plugins_are_discovered_with_their_roles():
     assert rows["skip-core"] == []
 
 
+def test_core_and_hf_provide_the_embedded_default():
+    provides = loaded()["provides"]
+    core = provides["skip-core"]
+    assert (core["tools"], core["tool_parsers"], core["tasks"]) == (["calculator"], ["hermes"], ["arithmetic"])
+    assert provides["skip-plugin-hf"]["backends"] == ["hf"]
+
+
 def test_skip_plugins_restricts_loading_to_the_named_distributions():
-    assert [d for d, _ in loaded(SKIP_PLUGINS="skip-plugin-rollout")["rows"]] == ["skip-core", "skip-plugin-rollout"]
-    assert [d for d, _ in loaded(SKIP_PLUGINS="skip_plugin_async_rollout")["rows"]] == [
-        "skip-core",
-        "skip-plugin-async-rollout",
-    ]
+    assert distributions(SKIP_PLUGINS="skip-plugin-rollout") == ["skip-core", "skip-plugin-rollout"]
+    assert distributions(SKIP_PLUGINS="skip_plugin_async_rollout") == ["skip-core", "skip-plugin-async-rollout"]
 
 
 def test_empty_skip_plugins_loads_none():
-    assert loaded(SKIP_PLUGINS="")["rows"] == [["skip-core", []]]
+    assert distributions(SKIP_PLUGINS="") == ["skip-core"]
 
 
 def test_a_plugin_that_fails_to_import_warns_and_the_rest_load(tmp_path):
@@ -97,7 +109,8 @@ def test_backends_and_schedules_register_by_name_with_a_factory(tmp_path):
             register("toy_async", lambda config: None)
         """,
     )
-    assert loaded(site=tmp_path)["provides"]["skip-plugin-engines"] == [["toy"], ["toy_async"]]
+    provides = loaded(site=tmp_path)["provides"]["skip-plugin-engines"]
+    assert (provides["backends"], provides["schedules"]) == (["toy"], ["toy_async"])
 
 
 def test_two_plugins_registering_one_role_is_an_error(tmp_path):

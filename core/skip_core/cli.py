@@ -36,18 +36,18 @@ def cli() -> None:
 
 @cli.command()
 def plugins() -> None:
-    """List installed plugins and the roles, backends and schedules each provides."""
+    """List installed plugins: what each provides (roles, backends, tools ...) and the hooks it implements."""
     from skip_core.plugins import installed, pm
 
-    table = _table("distribution", "version", "plugin", "roles", "backends", "schedules", "hooks")
+    table = _table("distribution", "version", "plugin", "provides", "hooks")
     for name, dist, version, provided in installed():
+        kinds = ("roles", "backends", "schedules", "tools", "tool_parsers", "tasks")
+        offered = [f"{kind[:-1].replace('_', ' ')} {item}" for kind in kinds for item in getattr(provided, kind)]
         table.add_row(
             dist,
             version,
             name,
-            ", ".join(provided.roles) or "-",
-            ", ".join(provided.backends) or "-",
-            ", ".join(provided.schedules) or "-",
+            ", ".join(offered) or "-",
             ", ".join(sorted(caller.name for caller in pm.get_hookcallers(pm.get_plugin(name)) or ())),
         )
     console.print(table)

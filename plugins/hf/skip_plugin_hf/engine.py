@@ -1,0 +1,295 @@
+"""The ``hf`` rollout backend: concurrent requests batched into waves, decoded with a KV cache.
+
+An engine task on the event loop takes every waiting sample (up to ``max_batch_size`` rows;
+a request with ``n`` samples is ``n`` rows) and decodes them as one wave. Requests arriving
+meanwhile wait for the next wave. All model work runs on one worker thread, so the event loop
+stays free for tool calls and new arrivals, and weight updates land between forward passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, TypeVar
+
+import torch
+from skip_core.backend import FinishReason, Generation, RolloutBackend, SamplingParams
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from skip_plugin_hf.options import HFOptions
+from skip_plugin_hf.sampling import seeded_stream
+from skip_plugin_hf.wave import Wave
+
+T = TypeVar("T")
+
+
+@dataclass
+class EngineStats:
+    """Counters for users and benchmarks; ``rows_per_wave`` shows how well requests were batched."""
+
+    waves: int = 0
+    rows_per_wave: list[int] = field(default_factory=list)
+    forward_passes: int = 0
+    forward_seconds: float = 0.0
+    tokens_generated: int = 0
+
+
+@dataclass(eq=False)
+class _Request:
+    params: SamplingParams
+    future: asyncio.Future
+    generations: list[Generation | None]
+    pending: int
+
+
+@dataclass(eq=False)
+class _Row:
+    """One sample of a request: the unit a wave batches."""
+
+    request: _Request
+    index: int
+    prompt: list[int]
+    budget: int
+    stream: random.Random
+    token_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    finished: bool = False
+
+
+class HFBackend(RolloutBackend):
+    """A transformers model serving rollout requests; ``model`` and ``stats`` are public for inspection."""
+
+    def __init__(self, options: HFOptions):
+        self.options = options
+        model = AutoModelForCausalLM.from_pretrained(options.model_dir, dtype=options.dtype)
+        self.model: PreTrainedModel = model.to(options.device).eval().requires_grad_(False)
+        self.stats = EngineStats()
+        self._max_positions: int | None = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        self._eos = _eos_token_ids(self.model)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skip-hf")
+        self._queue: deque[_Row] = deque()
+        self._active: list[_Row] = []
+        self._stream = random.Random()
+        self._engine: asyncio.Task | None = None
+        self._arrived = asyncio.Event()
+        self._asleep = False
+        self._closed = False
+
+    @cached_property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """Loaded on first use: only stop strings need text."""
+        return AutoTokenizer.from_pretrained(self.options.model_dir)
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str) -> list[Generation]:
+        if self._closed:
+            raise RuntimeError(f"hf backend: request {request_id!r} after shutdown()")
+        if self._asleep:
+            raise RuntimeError(f"hf backend: request {request_id!r} while asleep; call wake_up() first")
+        prompt = [int(t) for t in prompt_ids]
+        budget = self._budget(prompt, params, request_id)
+        loop = asyncio.get_running_loop()
+        self._start_engine(loop)
+        request = _Request(params, loop.create_future(), [None] * params.n, params.n)
+        for i in range(params.n):
+            stream = self._stream if params.seed is None else seeded_stream(params.seed, i)
+            self._queue.append(_Row(request, i, prompt, budget, stream))
+        self._arrived.set()
+        try:
+            return await request.future
+        except asyncio.CancelledError:
+            self._queue = deque(row for row in self._queue if row.request is not request)
+            raise
+
+    async def update_weights(self, state_dict: Mapping[str, Any]) -> None:
+        if self._closed:
+            raise RuntimeError("hf backend: update_weights after shutdown()")
+        await self._call(self._load, state_dict)
+
+    async def sleep(self) -> None:
+        if self._busy():
+            raise RuntimeError("hf backend: sleep() with requests in flight; await or cancel them first")
+        self._asleep = True
+        if self.options.device.type == "cuda":
+            await self._call(self._offload)
+
+    async def wake_up(self) -> None:
+        if self.options.device.type == "cuda":
+            await self._call(self.model.to, self.options.device)
+        self._asleep = False
+
+    async def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        engine = self._engine
+        if engine is not None and not engine.done() and engine.get_loop() is asyncio.get_running_loop():
+            self._arrived.set()
+            await engine  # it aborts what is queued or running at the next step boundary
+        else:
+            self._abort(self._active + list(self._queue))
+        if self.options.device.type == "cuda":
+            await self._call(self._offload)
+        self._worker.shutdown(wait=False)
+
+    # -- engine ---------------------------------------------------------------------------
+
+    def _start_engine(self, loop: asyncio.AbstractEventLoop) -> None:
+        # One engine per event loop: a caller running asyncio.run per trainer step gets a fresh
+        # engine each time (the previous loop cancelled its engine when it closed).
+        if self._engine is None or self._engine.done() or self._engine.get_loop() is not loop:
+            self._arrived = asyncio.Event()
+            self._engine = loop.create_task(self._serve(), name="skip-hf-engine")
+
+    async def _serve(self) -> None:
+        try:
+            while not self._closed:
+                rows = self._take_wave()
+                if rows:
+                    await self._run_wave(rows)
+                else:
+                    self._arrived.clear()
+                    await self._arrived.wait()
+        finally:
+            self._abort(self._active + list(self._queue))
+
+    def _take_wave(self) -> list[_Row]:
+        rows: list[_Row] = []
+        while self._queue and len(rows) < self.options.max_batch_size:
+            row = self._queue.popleft()
+            if not row.request.future.done():  # cancelled, or failed in an earlier wave
+                rows.append(row)
+        return rows
+
+    async def _run_wave(self, rows: list[_Row]) -> None:
+        self._active = rows
+        self.stats.waves += 1
+        self.stats.rows_per_wave.append(len(rows))
+        try:
+            await self._decode(rows)
+        except Exception as exc:
+            for row in self._active:
+                if not row.request.future.done():
+                    row.request.future.set_exception(exc)
+        self._abort(self._active)  # rows still running when shutdown() stopped the wave
+        self._active = []
+
+    async def _decode(self, rows: list[_Row]) -> None:
+        wave = await self._call(
+            Wave, self.model, [r.prompt for r in rows], [r.request.params for r in rows], [r.stream for r in rows]
+        )
+        while not self._closed:
+            tokens, log_probs = await self._call(self._step, wave)
+            self._advance(rows, tokens, log_probs)
+            running = [i for i, row in enumerate(rows) if not row.finished]
+            if not running:
+                return
+            # Shrink the batch once half of it is done: a copy of the cache now and then is
+            # cheaper than computing rows nobody reads.
+            if len(running) <= len(rows) // 2:
+                await self._call(wave.select, running)
+                rows = self._active = [rows[i] for i in running]
+
+    def _step(self, wave: Wave) -> tuple[list[int], list[float]]:
+        start = time.perf_counter()
+        result = wave.step()
+        self.stats.forward_seconds += time.perf_counter() - start
+        self.stats.forward_passes += 1
+        return result
+
+    def _advance(self, rows: list[_Row], tokens: list[int], log_probs: list[float]) -> None:
+        for row, token, log_prob in zip(rows, tokens, log_probs, strict=True):
+            if row.finished:
+                continue
+            if row.request.future.done():
+                row.finished = True
+                continue
+            row.token_ids.append(token)
+            row.log_probs.append(log_prob)
+            self.stats.tokens_generated += 1
+            reason = self._finish_reason(row, token)
+            if reason is not None:
+                self._finish(row, reason)
+
+    def _finish_reason(self, row: _Row, token: int) -> FinishReason | None:
+        params = row.request.params
+        if token in self._eos or token in params.stop_token_ids:
+            return "stop"
+        if params.stop and self._ends_with_stop_string(row.token_ids, params.stop):
+            return "stop"
+        if len(row.token_ids) >= row.budget:
+            return "length"
+        return None
+
+    def _ends_with_stop_string(self, token_ids: list[int], stop: Sequence[str]) -> bool:
+        # No stop string was in the text before this token, so a match ends in the newest tokens.
+        # Each token decodes to at least one byte and a character is at most 4 bytes, so the last
+        # 4 tokens per character (plus slack for a partial first character) hold any match.
+        window = 4 * max(map(len, stop)) + 4
+        text = self.tokenizer.decode(token_ids[-window:])
+        return any(s in text for s in stop)
+
+    def _finish(self, row: _Row, reason: FinishReason) -> None:
+        row.finished = True
+        request = row.request
+        request.generations[row.index] = Generation(row.token_ids, row.log_probs, reason)
+        request.pending -= 1
+        if request.pending == 0 and not request.future.done():
+            request.future.set_result(request.generations)
+
+    def _abort(self, rows: list[_Row]) -> None:
+        for row in rows:
+            if not row.finished and not row.request.future.done():
+                self._finish(row, "abort")
+
+    def _busy(self) -> bool:
+        return any(not row.finished and not row.request.future.done() for row in [*self._active, *self._queue])
+
+    def _budget(self, prompt: list[int], params: SamplingParams, request_id: str) -> int:
+        if not prompt:
+            raise ValueError(f"hf backend: request {request_id!r} has an empty prompt")
+        if self._max_positions is None:
+            return params.max_new_tokens
+        room = self._max_positions - len(prompt)
+        if room < 1:
+            raise ValueError(
+                f"hf backend: request {request_id!r} has a prompt of {len(prompt)} tokens; "
+                f"the model has {self._max_positions} positions"
+            )
+        return min(params.max_new_tokens, room)
+
+    # -- model access, always on the worker thread ----------------------------------------
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+    @torch.no_grad()
+    def _load(self, state_dict: Mapping[str, Any]) -> None:
+        targets = self.model.state_dict()
+        unknown = sorted(set(state_dict) - set(targets))
+        if unknown:
+            raise KeyError(f"update_weights: the model has no weights named {', '.join(unknown[:5])}")
+        for name, tensor in state_dict.items():
+            have, want = tuple(tensor.shape), tuple(targets[name].shape)
+            if have != want:
+                raise ValueError(f"update_weights: {name} has shape {have}, the model's is {want}")
+        for name, tensor in state_dict.items():
+            targets[name].copy_(tensor)
+
+    def _offload(self) -> None:
+        self.model.to("cpu")
+        torch.cuda.empty_cache()
+
+
+def _eos_token_ids(model: PreTrainedModel) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None)
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else value)
+    return frozenset(ids)

@@ -1,0 +1,411 @@
+"""The hf rollout backend, run on a tiny random Llama saved to disk (no mocks of our own code)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from omegaconf import OmegaConf
+from skip_core.backend import Generation, SamplingParams, create_backend
+from skip_core.config import ConfigError
+from skip_plugin_hf.engine import HFBackend
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+MAX_POSITIONS = 256
+EOS = 2
+TEXT = [
+    "the quick brown fox jumps over the lazy dog",
+    "pack my box with five dozen liquor jugs",
+    "sphinx of black quartz, judge my vow",
+    "how vexingly quick daft zebras jump",
+    "answer: 42 + 17 = 59",
+]
+
+
+def save_tiny_llama(directory: Path, seed: int) -> Path:
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_POSITIONS,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        bos_token_id=1,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    save_byte_level_tokenizer(directory)
+    return directory
+
+
+def save_byte_level_tokenizer(directory: Path) -> None:
+    """A 300-token byte-level BPE, so every id the model can sample decodes to at least one byte."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(TEXT * 3, trainer)
+    assert tokenizer.get_vocab_size() == 300
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.save_pretrained(directory)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model_dir(tmp_path_factory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def other_hf_model_dir(tmp_path_factory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("other-llama"), seed=1)
+
+
+def make_backend(model_dir: Path, **hf) -> HFBackend:
+    return create_backend("hf", {"model_path": str(model_dir), "hf": {"device": "cpu", **hf}})
+
+
+def generate(backend: HFBackend, prompt: list[int], **params) -> list[Generation]:
+    return asyncio.run(backend.generate(prompt, SamplingParams(**params), "r"))
+
+
+def prompts(count: int) -> list[list[int]]:
+    """Prompts of different lengths, so batches are left-padded."""
+    return [[1, *range(3 + i, 3 + i + 2 + i % 7)] for i in range(count)]
+
+
+def record_batches(backend: HFBackend) -> list[tuple[int, int]]:
+    """(rows, columns) of input_ids at every forward pass: columns > 1 is a prefill."""
+    seen: list[tuple[int, int]] = []
+
+    def hook(module, args, kwargs):
+        seen.append(tuple(kwargs["input_ids"].shape))
+
+    backend.model.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
+
+
+async def until(condition) -> None:
+    while not condition():
+        await asyncio.sleep(0.001)
+
+
+def direct_log_probs(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
+    return (logits / temperature).log_softmax(-1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+
+
+def greedy_by_argmax(model, prompt: list[int], steps: int) -> list[int]:
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt) :]
+
+
+# -- what one request gets -----------------------------------------------------------------
+
+
+def test_generation_stops_at_max_new_tokens_with_length(tiny_hf_model_dir):
+    backend = make_backend(tiny_hf_model_dir)
+    [out] = generate(backend, [1, 5, 6, 7], max_new_tokens=12, temperature=0)
+    assert out.finish_reason == "length"
+    assert len(out.token_ids) == len(out.log_probs) == 12
+    assert all(isinstance(lp, float) for lp in out.log_probs)
+
+
+def test_temperature_zero_follows_the_model_argmax(tiny_hf_model_dir):
+    backend = make_backend(tiny_hf_model_dir)
+    [out] = generate(backend, [1, 9, 8, 7, 6], max_new_tokens=10, temperature=0)
+    assert out.token_ids == greedy_by_argmax(backend.model, [1, 9, 8, 7, 6], 10)
+
+
+def test_top_k_one_samples_the_greedy_tokens(tiny_hf_model_dir):
+    backend = make_backend(tiny_hf_model_dir)
+    [greedy] = generate(backend, [1, 4, 4, 4], max_new_tokens=10, temperature=0)
+    [top_one] = generate(backend, [1, 4, 4, 4], max_new_tokens=10, temperature=1.3, top_k=1)
+    assert top_one.token_ids == greedy.token_ids
+
+
+def test_a_stop_token_ends_the_completion_and_is_kept(tiny_hf_model_dir):
+    backend = make_backend(tiny_hf_model_dir)
+    [free] = generate(backend, [1, 20, 21], max_new_tokens=10, seed=3)
+    cut = next(i for i in range(1, 10) if free.token_ids[i] not in free.token_ids[:i])
+    [out] = generate(backend, [1, 20, 21], max_new_tokens=10, seed=3, stop_token_ids=[free.token_ids[cut]])
+    assert out.token_ids == free.token_ids[: cut + 1]
+    assert out.finish_reason == "stop"
+
+
+def test_the_models_eos_token_stops_generation(tiny_hf_model_dir):
+    backend = make_backend(tiny_hf_model_dir)
+    always_eos = torch.zeros(300).index_fill(0, torch.tensor([EOS]), 1e4)
+    backend.model.lm_head.bias = torch.nn.Parameter(always_eos, requires_grad=False)
+    [out] = generate(backend, [1, 5], max_new_tokens=10, seed=0)
+    assert out.token_ids == [EOS]
+    assert out.finish_reason == "stop"
+
+
+def test_a_stop_string_ends_the_completion_at_the_token_completing_it(tiny_hf_model_dir):
+    backend = make_backend(tiny_hf_model_dir)
+    tokenizer = backend.tokenizer
+    [free] = generate(backend, [1, 30, 31], max_new_tokens=60, seed=11)
+    text = tokenizer.decode(free.token_ids)
+    # A stop string late in the completion, so the backend's decode window is exercised.
+    start = next(
+        i
+        for i in range(len(text) * 2 // 3, len(text) - 3)
+        if text[i : i + 3].isascii() and text[i : i + 3].isprintable()
+    )
+    stop = text[start : start + 3]
+    cut = next(i for i in range(60) if stop in tokenizer.decode(free.token_ids[: i + 1]))
+    [out] = generate(backend, [1, 30, 31], max_new_tokens=60, seed=11, stop=[stop])
+    assert out.token_ids == free.token_ids[: cut + 1]
+    assert out.finish_reason == "stop"
+
+
+def test_log_probs_match_a_direct_forward_pass_before_filtering(tiny_hf_model_dir):
+    backend = make_backend(tiny_hf_model_dir)
+    prompt = [1, 11, 12, 13, 14]
+    [sampled] = generate(backend, prompt, max_new_tokens=16, temperature=0.7, top_k=20, top_p=0.9, seed=5)
+    [greedy] = generate(backend, prompt, max_new_tokens=16, temperature=0)
+    expected = direct_log_probs(backend.model, prompt, sampled.token_ids, 0.7)
+    assert torch.allclose(torch.tensor(sampled.log_probs), expected, atol=1e-4)
+    # Greedy reports log-probs at temperature 1.
+    expected = direct_log_probs(backend.model, prompt, greedy.token_ids, 1.0)
+    assert torch.allclose(torch.tensor(greedy.log_probs), expected, atol=1e-4)
+
+
+def test_n_samples_each_follow_their_own_seeded_stream(tiny_hf_model_dir):
+    backend = make_backend(tiny_hf_model_dir)
+    first = generate(backend, [1, 40, 41], max_new_tokens=8, seed=9, n=4)
+    again = generate(backend, [1, 40, 41], max_new_tokens=8, seed=9, n=4)
+    assert len(first) == 4
+    assert len({tuple(g.token_ids) for g in first}) == 4
+    assert [g.token_ids for g in again] == [g.token_ids for g in first]
+
+
+def test_generation_never_runs_past_the_models_positions(tiny_hf_model_dir):
+    backend = make_backend(tiny_hf_model_dir)
+    [out] = generate(backend, [1] + [7] * (MAX_POSITIONS - 7), max_new_tokens=20, temperature=0)
+    assert len(out.token_ids) == 6
+    assert out.finish_reason == "length"
+    with pytest.raises(ValueError, match="256 positions"):
+        generate(backend, [7] * MAX_POSITIONS, max_new_tokens=1)
+
+
+# -- batching ------------------------------------------------------------------------------
+
+
+def test_concurrent_requests_are_prefilled_in_one_batch(tiny_hf_model_dir):
+    backend = make_backend(tiny_hf_model_dir)
+    seen = record_batches(backend)
+
+    async def main():
+        params = SamplingParams(max_new_tokens=6, seed=0)
+        return await asyncio.gather(*(backend.generate(p, params, f"r{i}") for i, p in enumerate(prompts(16))))
+
+    outs = asyncio.run(main())
+    assert seen[0] == (16, max(map(len, prompts(16))))
+    assert all(rows <= 16 for rows, _ in seen)
+    assert backend.stats.rows_per_wave == [16]
+    assert [len(out) for out in outs] == [1] * 16
+
+
+def test_requests_arriving_during_a_wave_are_batched_in_the_next(tiny_hf_model_dir):
+    backend = make_backend(tiny_hf_model_dir)
+    seen = record_batches(backend)
+
+    async def main():
+        long = asyncio.create_task(backend.generate([1, 5], SamplingParams(max_new_tokens=40, temperature=0), "long"))
+        await until(lambda: seen)
+        late = [backend.generate(p, SamplingParams(max_new_tokens=4, temperature=0), "late") for p in prompts(3)]
+        return await asyncio.gather(long, *late)
+
+    asyncio.run(main())
+    prefills = [shape for shape in seen if shape[1] > 1]
+    assert prefills == [(1, 2), (3, max(map(len, prompts(3))))]
+    assert backend.stats.rows_per_wave == [1, 3]
+
+
+def test_samples_beyond_max_batch_size_go_to_later_waves(tiny_hf_model_dir):
+    backend = make_backend(tiny_hf_model_dir, max_batch_size=2)
+    outs = generate(backend, [1, 3], max_new_tokens=3, seed=1, n=5)
+    assert len(outs) == 5
+    assert backend.stats.rows_per_wave == [2, 2, 1]
+
+
+def test_a_seeded_request_samples_the_same_alone_or_in_a_batch(tiny_hf_model_dir):
+    backend = make_backend(tiny_hf_model_dir)
+    params = SamplingParams(max_new_tokens=24, seed=123, top_p=0.95)
+    [alone] = generate(backend, [1, 50, 51, 52], max_new_tokens=24, seed=123, top_p=0.95)
+    [again] = generate(backend, [1, 50, 51, 52], max_new_tokens=24, seed=123, top_p=0.95)
+    assert again == alone
+
+    async def crowded():
+        # Seeded too, so which rows share each step (and so the numerics) is the same every run.
+        others = [
+            backend.generate(p, SamplingParams(max_new_tokens=30, temperature=0.8, seed=100 + i), "other")
+            for i, p in enumerate(prompts(7))
+        ]
+        mine = backend.generate([1, 50, 51, 52], params, "mine")
+        return await asyncio.gather(*others[:3], mine, *others[3:])
+
+    [batched] = asyncio.run(crowded())[3]
+    assert backend.stats.rows_per_wave[-1] == 8
+    # Left padding and another batch size change float32 summation order (~1e-7), never the tokens.
+    assert batched.token_ids == alone.token_ids
+    assert torch.allclose(torch.tensor(batched.log_probs), torch.tensor(alone.log_probs), atol=1e-5)
+
+
+# -- cancel, shutdown, errors --------------------------------------------------------------
+
+
+def test_a_cancelled_request_leaves_the_batch_and_the_others_complete(tiny_hf_model_dir):
+    backend = make_backend(tiny_hf_model_dir)
+    seen = record_batches(backend)
+
+    async def main():
+        params = SamplingParams(max_new_tokens=30, temperature=0)
+        kept = asyncio.create_task(backend.generate([1, 5, 6], params, "kept"))
+        doomed = asyncio.create_task(backend.generate([1, 7, 8], params, "doomed"))
+        await until(lambda: len(seen) >= 2)
+        queued = asyncio.create_task(backend.generate([1, 9], params, "queued"))
+        await asyncio.sleep(0)
+        doomed.cancel()
+        queued.cancel()
+        out = await kept
+        await asyncio.gather(doomed, queued, return_exceptions=True)
+        return out, doomed, queued
+
+    [out], doomed, queued = asyncio.run(main())
+    assert doomed.cancelled() and queued.cancelled()
+    assert out.finish_reason == "length" and len(out.token_ids) == 30
+    assert seen[-1][0] == 1  # the cancelled row was dropped from the batch
+    assert backend.stats.rows_per_wave == [2]  # the queued request never ran
+    assert not backend._busy()
+
+
+def test_shutdown_aborts_running_and_queued_requests(tiny_hf_model_dir):
+    backend = make_backend(tiny_hf_model_dir)
+    seen = record_batches(backend)
+
+    async def main():
+        params = SamplingParams(max_new_tokens=200, temperature=0)
+        running = asyncio.create_task(backend.generate([1, 5], params, "running"))
+        await until(lambda: len(seen) >= 3)
+        queued = asyncio.create_task(backend.generate([1, 6], params, "queued"))
+        await asyncio.sleep(0)
+        await backend.shutdown()
+        return await running, await queued
+
+    [running], [queued] = asyncio.run(main())
+    assert running.finish_reason == "abort" and 3 <= len(running.token_ids) < 200
+    assert len(running.log_probs) == len(running.token_ids)
+    assert queued == Generation([], [], "abort")
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        generate(backend, [1, 5], max_new_tokens=2)
+
+
+def test_a_forward_error_fails_its_wave_and_the_engine_keeps_serving(tiny_hf_model_dir):
+    backend = make_backend(tiny_hf_model_dir)
+    failures = [RuntimeError("device lost")]
+
+    def fail_once(module, args, kwargs):
+        if failures:
+            raise failures.pop()
+
+    backend.model.register_forward_pre_hook(fail_once, with_kwargs=True)
+
+    async def main():
+        params = SamplingParams(max_new_tokens=4, temperature=0)
+        failed = await asyncio.gather(*(backend.generate(p, params, "r") for p in prompts(3)), return_exceptions=True)
+        return failed, await backend.generate([1, 5], params, "after")
+
+    failed, [after] = asyncio.run(main())
+    assert [str(exc) for exc in failed] == ["device lost"] * 3
+    assert after.finish_reason == "length" and len(after.token_ids) == 4
+
+
+# -- weights, sleep, loops -----------------------------------------------------------------
+
+
+def test_update_weights_makes_the_backend_generate_like_the_other_model(tiny_hf_model_dir, other_hf_model_dir):
+    backend = make_backend(tiny_hf_model_dir)
+    other = make_backend(other_hf_model_dir)
+    prompt = [1, 60, 61, 62]
+    [before] = generate(backend, prompt, max_new_tokens=12, temperature=0)
+    [target] = generate(other, prompt, max_new_tokens=12, temperature=0)
+    assert before.token_ids != target.token_ids
+    state = {name: tensor.to(torch.float64) for name, tensor in other.model.state_dict().items()}
+    asyncio.run(backend.update_weights(state))
+    [after] = generate(backend, prompt, max_new_tokens=12, temperature=0)
+    assert after.token_ids == target.token_ids
+
+
+def test_update_weights_refuses_unknown_names_and_wrong_shapes(tiny_hf_model_dir):
+    backend = make_backend(tiny_hf_model_dir)
+    with pytest.raises(KeyError, match=r"no weights named not\.a\.weight"):
+        asyncio.run(backend.update_weights({"not.a.weight": torch.zeros(1)}))
+    with pytest.raises(ValueError, match=r"lm_head\.weight has shape"):
+        asyncio.run(backend.update_weights({"lm_head.weight": torch.zeros(3, 3)}))
+
+
+def test_a_sleeping_backend_refuses_requests_until_woken(tiny_hf_model_dir):
+    backend = make_backend(tiny_hf_model_dir)
+    asyncio.run(backend.sleep())
+    with pytest.raises(RuntimeError, match="asleep"):
+        generate(backend, [1, 5], max_new_tokens=2)
+    asyncio.run(backend.wake_up())
+    # A fresh event loop per call (asyncio.run each time) gets a fresh engine task.
+    assert len(generate(backend, [1, 5], max_new_tokens=2)[0].token_ids) == 2
+
+
+# -- config and registration ---------------------------------------------------------------
+
+
+def test_the_plugin_registers_the_hf_backend():
+    from skip_core.plugins import registry
+
+    assert "hf" in registry().backends
+
+
+def test_config_arrives_as_omegaconf(tiny_hf_model_dir):
+    config = OmegaConf.create({"model_path": str(tiny_hf_model_dir), "hf": {"dtype": "bfloat16", "max_batch_size": 3}})
+    backend = create_backend("hf", config)
+    assert backend.model.dtype == torch.bfloat16
+    assert backend.options.max_batch_size == 3
+
+
+@pytest.mark.parametrize(
+    ("hf", "message"),
+    [
+        ({"device": "tpu"}, "rollout.hf.device: expected one of auto, cpu, cuda, got 'tpu'"),
+        ({"dtype": "int8"}, "rollout.hf.dtype: expected one of float32, bfloat16, float16, got 'int8'"),
+        ({"max_batch_size": 0}, "rollout.hf.max_batch_size: expected an integer >= 1, got 0"),
+        ({"batch": 8}, "rollout.hf.batch: unknown key (allowed: device, dtype, max_batch_size)"),
+    ],
+)
+def test_bad_hf_settings_name_the_key(tiny_hf_model_dir, hf, message):
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
+        create_backend("hf", {"model_path": str(tiny_hf_model_dir), "hf": hf})
+
+
+def test_a_model_path_that_is_not_a_model_directory_names_model_path(tmp_path):
+    with pytest.raises(ConfigError, match=r"^model\.path: required"):
+        create_backend("hf", {})
+    with pytest.raises(ConfigError, match=r"^model\.path: .* \(no config\.json\)"):
+        create_backend("hf", {"model_path": str(tmp_path)})
