@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator
 
@@ -77,7 +77,7 @@ def _one_line(key: str, model: type[BaseModel], exc: ValidationError) -> str:
     for part in first["loc"]:
         loc += f"[{part}]" if isinstance(part, int) else f".{part}"
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"{loc}: {_expectation(first, model)}{more}"
+    return f"{loc}: {_expectation(first, _owner(model, first['loc']))}{more}"
 
 
 _EXPECTED = {
@@ -91,6 +91,21 @@ _EXPECTED = {
 }
 
 
+def _owner(model: type[BaseModel], loc: tuple) -> type[BaseModel]:
+    """The (nested) model that declares the field an error is about, for its allowed keys and types."""
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            break
+        model = field.annotation
+    return model
+
+
+def _integral(annotation: Any) -> bool:
+    """``int``, or a type built on it (``NonNegativeInt``, ``int | None``, ``list[PositiveInt]``)."""
+    return annotation is int or any(_integral(arg) for arg in get_args(annotation))
+
+
 _BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
 
 
@@ -102,9 +117,10 @@ def _expectation(error: dict, model: type[BaseModel]) -> str:
     if kind == "literal_error":
         expected = error["ctx"]["expected"]
     elif kind in _BOUNDS:
-        bound, value = next(iter(error["ctx"].items())), error["input"]
-        number = "an integer" if isinstance(value, int) and not isinstance(value, bool) else "a number"
-        expected = f"{number} {_BOUNDS[kind]} {bound[1]}"
+        names = [part for part in error["loc"] if isinstance(part, str)]
+        field = model.model_fields.get(names[-1]) if names else None
+        number = "an integer" if field is not None and _integral(field.annotation) else "a number"
+        expected = f"{number} {_BOUNDS[kind]} {next(iter(error['ctx'].values()))}"
     else:
         expected = _EXPECTED.get(kind, error["msg"].lower()).removeprefix("expected ")
     return f"expected {expected}, got {error['input']!r}"
