@@ -99,6 +99,9 @@ def prompt_loader(config: Any, tokenizer: Any, tools: dict) -> Any:
 
 def run(config: Any, console: Console) -> Batch:
     """Generate one batch (step 1 of epoch 0) through the configured backend and agent loop."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-shard bars for a model that loads in milliseconds
     SkipManager.init(config)
     parts = RolloutParts.from_config(config)
     prepare_task(config)
