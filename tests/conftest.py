@@ -58,3 +58,12 @@ class Generator:
 @pytest.fixture
 def generator() -> Generator:
     return Generator()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The embedded default model and tokenizer, built once per session with a token warm-up."""
+    from skip_core.arithmetic import ArithmeticTask
+
+    options = {"train_size": 64, "val_size": 8, "warmup_steps": 5}
+    return ArithmeticTask().prepare(tmp_path_factory.mktemp("embedded"), options, progress=False).model_path
