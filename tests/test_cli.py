@@ -80,30 +80,3 @@ def test_import_verl_requires_trust_pickle(tmp_path):
     result = CliRunner().invoke(cli, ["cache", "import-verl", str(tmp_path), str(tmp_path / "out")])
     assert result.exit_code == 2 and "--trust-pickle" in result.output
     assert not (tmp_path / "out").exists()
-
-
-def test_run_reports_config_errors_in_one_line(tmp_path):
-    configs = os.path.join(os.path.dirname(__file__), "..", "configs")
-    result = invoke("run", "--config-dir", configs, "skip.rollout.action=cahce", f"skip.rollout.dump_dir={tmp_path}")
-    assert result.exit_code == 1
-    assert "skip.rollout.action: expected 'cache' or 'repeat', got 'cahce'" in result.output
-
-
-def test_run_generates_then_loads_the_listed_steps(tmp_path):
-    configs = os.path.join(os.path.dirname(__file__), "..", "configs")
-    args = [
-        "run",
-        "--config-dir",
-        configs,
-        f"skip.rollout.dump_dir={tmp_path}",
-        "skip.rollout.steps=[1,2]",
-        "trainer.total_steps=3",
-        "data.max_response_length=8",
-        "example.hidden=32",
-    ]
-    first = invoke(*args)
-    assert first.exit_code == 0, first.output
-    assert first.output.count("generated") >= 3 and "3 generated" in first.output
-    second = invoke(*args)
-    assert "2 loaded" in second.output and "1 generated" in second.output
-    assert sorted(p.name for p in tmp_path.glob("*/*/*")) == ["1", "2"]

@@ -68,7 +68,7 @@ def test_skip_plugins_lists_the_installed_role(installed):
     out = run(sys.executable, "-c", "from skip_core.cli import cli; cli()", "plugins", cwd=site.parent, site=site)
 
     rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in out.splitlines() if "│" in line]
-    assert ["skip-plugin-reward", "0.1.0", "reward", "reward", "-", "-", "skip_register_roles"] in rows
+    assert ["skip-plugin-reward", "0.1.0", "reward", "role reward", "skip_register_roles"] in rows
 
 
 def test_rendered_plugin_passes_its_own_tests(installed):
