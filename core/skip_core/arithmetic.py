@@ -5,16 +5,16 @@ validation parquet files (verl's row shape, tools named per row) and a tiny mode
 to use the ``calculator`` tool (see ``skip_core.tiny_model``). The model starts good enough to
 follow the two-turn protocol and often right, so RL has something to improve from:
 
-    user:      What is 4821 * 37?
-    assistant: <tool_call>{"name": "calculator", "arguments": {"expression": "4821 * 37"}}</tool_call>
-    tool:      178377
-    assistant: Answer: 178377
+    user:      What is 482 * 37?
+    assistant: <tool_call>{"name": "calculator", "arguments": {"expression": "482 * 37"}}</tool_call>
+    tool:      17834
+    assistant: Answer: 17834
 
 Options (the ``task`` config section; a missing key takes its default):
 
 - ``seed`` (integer, default 0): the problems, the tokenizer corpus and the model's weights.
 - ``train_size`` (integer >= 1, default 2000), ``val_size`` (integer >= 1, default 64): rows.
-- ``warmup_steps`` (integer >= 0, default 300): supervised steps before RL; 0 leaves the model random.
+- ``warmup_steps`` (integer >= 0, default 350): supervised steps before RL; 0 leaves the model random.
 
 Assets are built only when missing: after changing an option, delete the task directory
 (or the piece concerned) to rebuild.
@@ -31,16 +31,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from skip_core.config import ConfigError, select
+from skip_core.config import ConfigError
 from skip_core.hookspecs import hookimpl
 from skip_core.tasks import Task, TaskAssets
 
 DATA_SOURCE = "arithmetic"
-OPTIONS = {"seed": (0, 0), "train_size": (2000, 1), "val_size": (64, 1), "warmup_steps": (300, 0)}
+OPTIONS = {"seed": (0, 0), "train_size": (2000, 1), "val_size": (64, 1), "warmup_steps": (350, 0)}
 """Each option's default and smallest allowed value."""
 
 _OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
-_ANSWER = re.compile(r"Answer:\s*(-?\d+)(?!\.?\d)")
+_ANSWER = re.compile(r"Answer:\s*(-?\d+)(?![.,]?\d)")
 # Warm-up demonstrations come from their own stream so the model never sees the RL prompts.
 _WARMUP_SPLIT = "warmup"
 _WARMUP_PROBLEMS = 4000
@@ -49,7 +49,7 @@ _WARMUP_PROBLEMS = 4000
 def problem(rng: random.Random) -> tuple[str, str]:
     """One expression, ``a op b`` or ``(a op b) op c`` with 2 or 3 digit operands, and its value.
 
-    Operands stay below 1000 because copying long numbers is what a few-second warm-up of a
+    Operands stay below 1000 because copying long numbers is what a one-minute warm-up of a
     tiny model cannot teach; products still reach 9 digits, which only the calculator gets right.
     """
     a, b = _operand(rng), _operand(rng)
@@ -121,9 +121,12 @@ def score(response: str, ground_truth: str) -> float:
 
 def parse_options(options: Any) -> dict[str, int]:
     """The task options with defaults filled in; a bad value is a ``ConfigError`` naming ``task.<key>``."""
+    options = {} if options is None else options
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"task: expected a mapping of options, got {options!r}")
     parsed = {}
     for key, (default, least) in OPTIONS.items():
-        value = select(options, key) if options is not None else None
+        value = options.get(key)
         if value is None:
             value = default
         if isinstance(value, bool) or not isinstance(value, int) or value < least:

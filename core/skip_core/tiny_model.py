@@ -245,7 +245,8 @@ def warm_up(
     return losses
 
 
-def _warmup_cosine(steps: int):
+def _warmup_cosine(steps: int) -> Callable[[int], float]:
+    """Linear warm-up over the first tenth, then a cosine down to a tenth of the rate."""
     warmup = max(1, steps // 10)
 
     def factor(step: int) -> float:
