@@ -104,6 +104,8 @@ def run(config: Any, console: Console) -> Batch:
     hf_logging.disable_progress_bar()  # per-shard bars for a model that loads in milliseconds
     SkipManager.init(config)
     parts = RolloutParts.from_config(config)
+    if select(config, "task.name") is not None:
+        console.print(f"task {select(config, 'task.name')}: data and model under {select(config, 'task.dir')}")
     prepare_task(config)
     tokenizer = load_tokenizer(config)
     loop = parts.agent_loop(config, tokenizer)
