@@ -67,3 +67,13 @@ def tiny_model_dir(tmp_path_factory):
 
     options = {"train_size": 64, "val_size": 8, "warmup_steps": 5}
     return ArithmeticTask().prepare(tmp_path_factory.mktemp("embedded"), options, progress=False).model_path
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for every in-process training test, shut down at the end of the session."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()

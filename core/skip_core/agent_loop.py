@@ -187,13 +187,17 @@ class AgentLoop:
         validate = bool(prompts.meta_info.get("validate", False))
         sampling = self.config.val_kwargs if validate else self.config
         key = sample_key if sample_key is not None else f"step{prompts.meta_info.get('global_steps', 0)}"
-        requests = [self._request(prompts, i, offset, key) for i in range(len(prompts)) for offset in range(sampling.n)]
+        # A worker given rows [base, base + len) of a split batch seeds them as the whole batch would.
+        base = int(prompts.meta_info.get("index_base", 0))
+        requests = [
+            self._request(prompts, i, offset, key, base) for i in range(len(prompts)) for offset in range(sampling.n)
+        ]
         start = time.perf_counter()
         await self._run_all(requests, sampling)
         seconds = time.perf_counter() - start
         return self._to_batch(requests, seconds, validate)
 
-    def _request(self, prompts: Batch, index: int, offset: int, key: str) -> Request:
+    def _request(self, prompts: Batch, index: int, offset: int, key: str, base: int) -> Request:
         extras = prompts.non_tensor_batch
         messages = [dict(m) for m in extras["raw_prompt"][index]]
         tools_kwargs = _tools_kwargs(extras, index)
@@ -202,7 +206,7 @@ class AgentLoop:
         else:
             schemas = [self.tools[name].schema for name in tools_kwargs if name in self.tools]
             prompt_ids = self.chat.prompt_ids(messages, schemas)
-        seed = None if self.config.seed is None else _derive_seed(self.config.seed, key, index, offset)
+        seed = None if self.config.seed is None else _derive_seed(self.config.seed, key, base + index, offset)
         return Request(index, offset, prompt_ids, messages, tools_kwargs, seed)
 
     async def _run_all(self, requests: list[Request], sampling: Sampling) -> None:

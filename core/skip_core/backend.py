@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from skip_core.config import ConfigError
+from skip_core.config import lookup
 
 # Backends users ask for by name before installing them: name -> distribution to install.
 KNOWN_BACKENDS = {"hf": "skip-plugin-hf", "vllm": "skip-plugin-vllm", "sglang": "skip-plugin-sglang"}
@@ -101,8 +101,4 @@ def create_backend(name: str, config: Any) -> RolloutBackend:
 
 
 def backend_factory(name: str, installed: Mapping[str, Callable]) -> Callable:
-    if name in installed:
-        return installed[name]
-    have = ", ".join(sorted(installed)) or "none"
-    hint = f"; pip install {KNOWN_BACKENDS[name]} to use it" if name in KNOWN_BACKENDS else ""
-    raise ConfigError(f"rollout.backend: unknown backend {name!r}{hint} (installed: {have})")
+    return lookup("rollout.backend", "backend", name, installed, KNOWN_BACKENDS)

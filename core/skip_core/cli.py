@@ -41,7 +41,7 @@ def plugins() -> None:
 
     table = _table("distribution", "version", "plugin", "provides", "hooks")
     for name, dist, version, provided in installed():
-        kinds = ("roles", "backends", "schedules", "tools", "tool_parsers", "tasks")
+        kinds = ("roles", "backends", "schedules", "tools", "tool_parsers", "tasks", "rewards")
         offered = [f"{kind[:-1].replace('_', ' ')} {item}" for kind in kinds for item in getattr(provided, kind)]
         table.add_row(
             dist,
@@ -233,5 +233,12 @@ def _compose(config_dir: Path, config_name: str, overrides: tuple[str, ...]) -> 
 @hydra_job("rollout", "Generate one batch through the configured backend and agent loop, with OVERRIDES.")
 def rollout(config: Any, console: Console) -> None:
     from skip_core.rollout import run
+
+    run(config, console)
+
+
+@hydra_job("run", "Train with the configured schedule (GRPO on the embedded default), with OVERRIDES.")
+def run(config: Any, console: Console) -> None:
+    from skip_core.trainer import run
 
     run(config, console)

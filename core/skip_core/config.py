@@ -23,6 +23,7 @@ KNOWN_ROLES = {
 
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 
 class ConfigError(ValueError):
@@ -114,6 +115,8 @@ def _expectation(error: dict, model: type[BaseModel]) -> str:
     if kind == "extra_forbidden":
         allowed = ", ".join(sorted(model.model_fields))
         return f"unknown key (allowed: {allowed})"
+    if kind == "value_error":  # a validator's own message already says what is allowed
+        return str(error["ctx"]["error"])
     if kind == "literal_error":
         expected = error["ctx"]["expected"]
     elif kind in _BOUNDS:
@@ -210,3 +213,13 @@ def register_hydra_defaults(name: str = "skip_defaults") -> None:
 
     node = hydra_defaults({name: role.config for name, role in registry().roles.items()})
     ConfigStore.instance().store(name=name, node=node)
+
+
+def lookup(key: str, kind: str, name: str, installed: Mapping[str, T], known: Mapping[str, str] | None = None) -> T:
+    """The plugin-provided ``kind`` called ``name``, or a ConfigError naming what is installed
+    and, for a name this project knows, the distribution that provides it."""
+    if name in installed:
+        return installed[name]
+    have = ", ".join(sorted(installed)) or "none"
+    hint = f"; pip install {known[name]} to use it" if known and name in known else ""
+    raise ConfigError(f"{key}: unknown {kind} {name!r}{hint} (installed: {have})")

@@ -35,7 +35,7 @@ def write(batch: Any, directory: Path) -> list[str]:
     """Write ``batch`` into ``directory``; return the file names written."""
     from safetensors.torch import save_file
 
-    save_file(_storable(batch.batch), str(directory / TENSORS))
+    save_file(storable(batch.batch), str(directory / TENSORS))
     payload = {
         "non_tensor_batch": {k: encode(v, f"non_tensor_batch[{k!r}]") for k, v in batch.non_tensor_batch.items()},
         "meta_info": encode(dict(batch.meta_info), "meta_info"),
@@ -56,7 +56,7 @@ def read(directory: Path) -> Any:
     return Batch(tensors, non_tensors, decode(payload["meta_info"]))
 
 
-def _storable(tensors: Mapping[str, Any]) -> dict[str, Any]:
+def storable(tensors: Mapping[str, Any]) -> dict[str, Any]:
     """safetensors refuses views sharing storage and non-contiguous tensors: copy just those."""
     seen: set[int] = set()
     out = {}

@@ -71,6 +71,16 @@ def skip_register_tasks(register):
     """
 
 
+@hookspec
+def skip_register_rewards(register):
+    """Register rule-based reward functions: call ``register(name, fn)``.
+
+    ``fn(data_source, solution_str, ground_truth, extra_info) -> float`` scores one decoded
+    response (verl's ``compute_score`` signature); ``reward.function=<name>`` selects one.
+    Core registers ``task``, which dispatches on ``data_source`` to the registered task.
+    """
+
+
 @hookspec(firstresult=True)
 def skip_resolve_step(role, config, call):
     """Return the step (``int``) of one call of a role whose ``Role.online_step`` is true.

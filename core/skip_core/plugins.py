@@ -19,7 +19,14 @@ import pluggy
 
 from skip_core import hookspecs
 
-DEFAULT_PLUGINS = ("skip_core.caching", "skip_core.tools", "skip_core.calculator", "skip_core.arithmetic")
+DEFAULT_PLUGINS = (
+    "skip_core.caching",
+    "skip_core.tools",
+    "skip_core.calculator",
+    "skip_core.arithmetic",
+    "skip_core.reward",
+    "skip_core.sync",
+)
 
 pm = pluggy.PluginManager("skip")
 pm.add_hookspecs(hookspecs)
@@ -82,6 +89,7 @@ class Registry:
     tools: dict[str, Callable] = field(default_factory=dict)
     tool_parsers: dict[str, Callable] = field(default_factory=dict)
     tasks: dict[str, Any] = field(default_factory=dict)
+    rewards: dict[str, Callable] = field(default_factory=dict)
     provider: dict[tuple[str, str], str] = field(default_factory=dict)
 
 
@@ -96,6 +104,7 @@ def registry() -> Registry:
         ("tools", pm.hook.skip_register_tools),
         ("tool_parsers", pm.hook.skip_register_tool_parsers),
         ("tasks", pm.hook.skip_register_tasks),
+        ("rewards", pm.hook.skip_register_rewards),
     ):
         for impl in hook.get_hookimpls():
             impl.function(register=_registrar(reg, kind, impl.plugin_name))

@@ -151,14 +151,14 @@ def summary(batch: Batch, prompts: Batch, tokenizer: Any, config: Any, seconds: 
 
 
 def task_score(batch: Batch, prompts: Batch, tokenizer: Any, config: Any) -> float | None:
-    """Mean of the task's rule-based score over the samples, when the task has one."""
-    name = select(config, "task.name")
-    if name is None or "ground_truth" not in prompts.non_tensor_batch:
+    """Mean of the configured reward function's score over the samples (tool rewards left out)."""
+    if select(config, "task.name") is None or "ground_truth" not in prompts.non_tensor_batch:
         return None
-    from skip_core.plugins import registry
+    from skip_core.reward import RewardConfig, Rewarder
 
-    task = registry().tasks[name]
+    rewarder = Rewarder(parse_section(RewardConfig, "reward", select(config, "reward")), tokenizer)
     n = len(batch) // len(prompts)
-    texts = tokenizer.batch_decode(batch.batch["responses"], skip_special_tokens=True)
-    truths = [prompts.non_tensor_batch["ground_truth"][i // n] for i in range(len(batch))]
-    return sum(task.score(text, truth) for text, truth in zip(texts, truths, strict=True)) / len(batch)
+    keys = ["data_source", "ground_truth", "extra_info"]
+    scored = Batch(batch.batch, {k: prompts.non_tensor_batch[k].repeat(n) for k in keys})
+    _, parts = rewarder(scored)
+    return float(parts["score"].mean())

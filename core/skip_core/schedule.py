@@ -10,11 +10,19 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+# Schedules users ask for by name before installing them: name -> distribution to install.
+KNOWN_SCHEDULES = {
+    "sync": "skip-core",
+    "one_step_off": "skip-plugin-one-step-off",
+    "fully_async": "skip-plugin-fully-async",
+}
+
 
 class Schedule(ABC):
     @abstractmethod
     def fit(self, trainer: Any) -> None:
-        """Run the training loop: for each step, generate, train, sync weights, validate.
+        """Run steps ``trainer.global_steps + 1 .. trainer.total_steps`` with the trainer's phases.
 
-        Calls ``SkipManager.set_step(step)`` before each step's generation.
+        Calls ``SkipManager.set_step(step)`` before each step's generation, so skip roles see
+        the step a batch trains at.
         """

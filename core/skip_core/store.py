@@ -136,7 +136,7 @@ class CacheStore:
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{step}-", dir=self.directory))
         try:
             names = encoding.write(batch, tmp)
-            files = {name: _seal(tmp / name) for name in names}
+            files = {name: seal(tmp / name) for name in names}
             meta = {
                 "format": FORMAT,
                 "version": VERSION,
@@ -149,11 +149,11 @@ class CacheStore:
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "writer": {"host": socket.gethostname(), "pid": os.getpid()},
             }
-            _write_synced(tmp / META, json.dumps(meta, indent=1).encode())
-            _fsync_dir(tmp)
+            write_synced(tmp / META, json.dumps(meta, indent=1).encode())
+            fsync_dir(tmp)
             final = self.path(step)
-            _publish(tmp, final)
-            _fsync_dir(self.directory)
+            publish(tmp, final)
+            fsync_dir(self.directory)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -234,7 +234,7 @@ def file_digest(path: Path) -> str:
             return xxhash.xxh3_128_hexdigest(view)
 
 
-def _seal(path: Path) -> dict:
+def seal(path: Path) -> dict:
     """fsync a written file while hashing it (fsync releases the GIL): size and hash for meta."""
     fd = os.open(path, os.O_RDONLY)
     errors: list[OSError] = []
@@ -257,14 +257,14 @@ def _seal(path: Path) -> dict:
     return {"bytes": path.stat().st_size, "xxh3_128": digest}
 
 
-def _write_synced(path: Path, data: bytes) -> None:
+def write_synced(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -272,7 +272,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _publish(tmp: Path, final: Path, attempts: int = 16) -> None:
+def publish(tmp: Path, final: Path, attempts: int = 16) -> None:
     """Rename ``tmp`` onto ``final``; an existing entry is moved aside and deleted first.
 
     Concurrent writers of one step each retry until their rename lands; the last one wins,
