@@ -1,0 +1,22 @@
+# `make demo`: README command #1 -- install, train the embedded default, train again from the cache.
+# `make test`: README command #2 -- what CI runs.
+PY ?= python3
+VENV := .venv
+SKIP := $(VENV)/bin/skip
+DEMO := runs/demo
+
+.PHONY: demo install test
+
+install:
+	$(PY) -m venv $(VENV)
+	$(VENV)/bin/pip install -q -c constraints.txt -e core -e plugins/rollout -e plugins/async_rollout -e plugins/hf
+
+# Both runs share the cache namespace (project and experiment names), so the second one loads
+# every step's rollout the first one dumped; each has its own run directory for the comparison.
+demo: install
+	rm -rf $(DEMO)
+	$(SKIP) run skip.rollout.enable=true skip.rollout.dump_dir=$(DEMO)/cache trainer.default_local_dir=$(DEMO)/generated
+	$(SKIP) run skip.rollout.enable=true skip.rollout.dump_dir=$(DEMO)/cache trainer.default_local_dir=$(DEMO)/replayed
+
+test:
+	$(PY) -m venv $(VENV) && $(VENV)/bin/pip install -q -r requirements-dev.txt && $(VENV)/bin/ruff check . && $(VENV)/bin/pytest

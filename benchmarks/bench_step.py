@@ -1,0 +1,70 @@
+"""Per-phase step time of `skip run` on the embedded default, without and with a rollout cache hit.
+
+Runs the main job twice in one invocation, in a fresh directory: first generating and dumping
+every step's rollout, then the same run replaying them from the skip cache. Prints the mean
+seconds per phase over the steps of each run and the share of `gen` in the step.
+
+    python benchmarks/bench_step.py --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+CONFIGS = Path(__file__).parent.parent / "configs"
+PHASES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "step")
+
+
+def train(directory: Path, steps: int, extra: list[str]) -> list[dict]:
+    skip = Path(sys.executable).parent / "skip"
+    overrides = [
+        f"trainer.total_training_steps={steps}",
+        f"trainer.default_local_dir={directory / 'run'}",
+        f"skip.rollout.dump_dir={directory / 'cache'}",
+        f"skip.rollout.steps=[{','.join(str(s) for s in range(1, steps + 1))}]",
+        "skip.rollout.enable=true",
+        "trainer.resume_mode=disable",
+        "trainer.save_freq=-1",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        *extra,
+    ]
+    subprocess.run([str(skip), "run", "--config-dir", str(CONFIGS), *overrides], check=True, capture_output=True)
+    lines = (directory / "run" / "metrics.jsonl").read_text().splitlines()
+    return [row for row in map(json.loads, lines) if row["step"] > 0]
+
+
+def means(rows: list[dict]) -> dict[str, float]:
+    return {p: sum(r.get(f"timing_s/{p}", 0.0) for r in rows) / len(rows) for p in PHASES}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("overrides", nargs="*", help="extra `skip run` overrides, e.g. rollout.n=8")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        generated = means(train(Path(tmp), args.steps, args.overrides))
+        replayed = means(train(Path(tmp), args.steps, args.overrides))
+    table = Table(title=f"skip run, mean seconds per step over {args.steps} steps")
+    for column in ("phase", "generated", "cache hit", "ratio"):
+        table.add_column(column, justify="right")
+    for phase in PHASES:
+        a, b = generated[phase], replayed[phase]
+        table.add_row(phase, f"{a:.3f}", f"{b:.3f}", f"{a / b:.1f}x" if b > 0 else "-")
+    table.add_row(
+        "gen share of step", f"{generated['gen'] / generated['step']:.0%}", f"{replayed['gen'] / replayed['step']:.0%}"
+    )
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
