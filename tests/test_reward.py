@@ -52,5 +52,5 @@ def test_rewarder_adds_tool_rewards_unless_turned_off():
 def test_unknown_function_and_unscorable_data_fail_naming_the_key():
     with pytest.raises(ConfigError, match=r"reward.function: unknown reward function 'mine' \(installed: task\)"):
         Rewarder(RewardConfig(function="mine"), Tokenizer([]))
-    with pytest.raises(ConfigError, match="data.train_files: rows have data_source 'gsm8k'"):
+    with pytest.raises(ConfigError, match=r"data\.train_files: rows have data_source 'gsm8k'"):
         Rewarder(RewardConfig(), Tokenizer([])).check_sources({"arithmetic", "gsm8k"}, "data.train_files")
