@@ -106,6 +106,7 @@ def _console_line(record: Mapping[str, float]) -> str:
         ("grad_norm", "actor/grad_norm", "{:.4g}"),
         ("gen", "timing_s/gen", "{:.2f}s"),
         ("step_time", "timing_s/step", "{:.2f}s"),
+        ("val_score", "val/score/mean", "{:.4f}"),
     ]
     parts = [f"step {record['step']}"] + [f"{label} {fmt.format(record[k])}" for label, k, fmt in fields if k in record]
     return " | ".join(parts)

@@ -370,7 +370,8 @@ class Trainer:
         if not steps:
             return
         self.console.print(summary_table(steps))
-        self.console.print(f"metrics, checkpoints and {plot(steps, self.run_dir / 'plot.png').name} in {self.run_dir}")
+        chart = plot(history, self.run_dir / "plot.png")  # with step 0: validation before training
+        self.console.print(f"metrics, checkpoints and {chart.name} in {self.run_dir}")
 
 
 def _step_of(path: Path) -> int:
