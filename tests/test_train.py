@@ -10,8 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 from rich.console import Console
+from skip_core import encoding
 from skip_core.cli import _compose, cli
 from skip_core.store import scan, verify
 from skip_core.trainer import run
@@ -105,6 +107,20 @@ def test_a_finished_run_resumes_to_nothing_and_still_reports(ray_session, task_d
     assert [row["step"] for row in metrics(tmp_path / "run")] == [1]
 
 
+def test_two_rollout_workers_sample_what_one_samples(ray_session, task_dir, tmp_path):
+    """Each worker seeds its rows by their index in the whole batch, so the split changes nothing."""
+    step = ("trainer.total_training_steps=1", "skip.rollout.enable=true")
+    train(task_dir, tmp_path / "one", *step)
+    two, _ = train(
+        task_dir, tmp_path / "two", *step, "resources.rollout.workers=2", "resources.rollout.cpus_per_worker=0.5"
+    )
+    assert two.rollout.calls == 2 and len(two.rollout.workers) == 2  # the step and the final validation
+    (one_entry,), (two_entry,) = scan(tmp_path / "one" / "cache"), scan(tmp_path / "two" / "cache")
+    one_batch, two_batch = encoding.read(one_entry), encoding.read(two_entry)
+    assert torch.equal(one_batch.batch["responses"], two_batch.batch["responses"])
+    assert two_batch.meta_info["rollout"]["requests"] == 8
+
+
 def cli_run(*args):
     return CliRunner().invoke(cli, ["run", "--config-dir", str(CONFIGS), *args], catch_exceptions=False)
 
@@ -123,6 +139,7 @@ def cli_run(*args):
         ("algorithm.adv_estimator=ppo", "algorithm.adv_estimator"),
         ("trainer.logger=[console,mlflow]", "trainer.logger: unknown logger 'mlflow'; allowed: console, jsonl"),
         ("trainer.resume_mode=resume_path", "trainer.resume_from_path: required"),
+        ("resources.rollout.workers=3", "resources.rollout.workers: 3 workers cannot split data.train_batch_size=4"),
     ],
 )
 def test_bad_input_fails_before_the_first_step(task_dir, tmp_path, override, message):

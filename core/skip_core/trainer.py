@@ -125,6 +125,12 @@ class Settings:
                 f"actor.ppo_micro_batch_size: {actor.ppo_micro_batch_size} samples do not divide a mini-batch of "
                 f"{actor.ppo_mini_batch_size} prompts x rollout.n={n} = {actor.ppo_mini_batch_size * n} samples"
             )
+        workers = self.resources.rollout.workers
+        if self.train_batch_size % workers:
+            raise ConfigError(
+                f"resources.rollout.workers: {workers} workers cannot split data.train_batch_size="
+                f"{self.train_batch_size} prompts evenly"
+            )
         if self.trainer.resume_mode == "resume_path" and not self.trainer.resume_from_path:
             raise ConfigError("trainer.resume_from_path: required with trainer.resume_mode=resume_path")
 
@@ -152,6 +158,11 @@ class Trainer:
         self.rewarder.check_sources({row["data_source"] for row in self.loader.dataset}, "data.train_files")
         if self.val_set is not None:
             self.rewarder.check_sources({row["data_source"] for row in self.val_set}, "data.val_files")
+            if len(self.val_set) % s.resources.rollout.workers:
+                raise ConfigError(
+                    f"resources.rollout.workers: {s.resources.rollout.workers} workers cannot split the "
+                    f"{len(self.val_set)} validation prompts of data.val_files evenly"
+                )
         steps_per_epoch = len(self.loader)
         self.total_steps = s.trainer.total_training_steps or steps_per_epoch * s.trainer.total_epochs
         self.run_dir = Path(os.path.expanduser(s.trainer.default_local_dir))
