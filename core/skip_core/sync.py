@@ -28,9 +28,6 @@ def timed(name: str, timing: dict[str, float]) -> Iterator[None]:
 
 
 class SyncSchedule(Schedule):
-    def __init__(self, config: Any = None) -> None:
-        self.config = config
-
     def fit(self, trainer: Any) -> None:
         if trainer.val_set is not None and trainer.settings.trainer.val_before_train and trainer.global_steps == 0:
             trainer.log(trainer.validate(), 0)
@@ -76,4 +73,4 @@ class SyncSchedule(Schedule):
 
 @hookimpl
 def skip_register_schedules(register):
-    register("sync", SyncSchedule)
+    register("sync", lambda config: SyncSchedule())

@@ -29,7 +29,7 @@ from skip_core.algorithm import agg_loss, apply_kl_penalty, compute_advantages
 from skip_core.batch import Batch
 from skip_core.checkpoint import CheckpointManager, capture_rng, restore_rng
 from skip_core.config import ConfigError, lookup, parse_section, select, to_container
-from skip_core.dataset import PromptLoader, RLDataset
+from skip_core.dataset import PromptLoader, RLDataset, collate
 from skip_core.manager import SkipManager
 from skip_core.metrics import Tracking, check_backends, data_metrics, plot, summary_table
 from skip_core.reward import RewardConfig, Rewarder
@@ -335,8 +335,6 @@ class Trainer:
 
     def validate(self) -> dict[str, float]:
         """Greedy (``rollout.val_kwargs``) rollouts of the validation set; skip roles let them through."""
-        from skip_core.dataset import collate
-
         batch = collate([self.val_set[i] for i in range(len(self.val_set))])
         gen_batch = batch.pop(GEN_TENSORS, [k for k in GEN_NON_TENSORS if k in batch.non_tensor_batch])
         gen_batch.meta_info.update(global_steps=self.global_steps, validate=True)
