@@ -21,18 +21,21 @@ import time
 import uuid
 import zlib
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt
 
+from skip_core import spans
 from skip_core.backend import RolloutBackend, SamplingParams
 from skip_core.batch import Batch
 from skip_core.chat import ChatFormat
 from skip_core.manager import SkipManager
 from skip_core.rollout_batch import pad_requests
 from skip_core.tools import Tool, ToolCall, ToolParser, ToolResponse
+
+T = TypeVar("T")
 
 
 class RolloutError(RuntimeError):
@@ -189,15 +192,23 @@ class AgentLoop:
         key = sample_key if sample_key is not None else f"step{prompts.meta_info.get('global_steps', 0)}"
         # A worker given rows [base, base + len) of a split batch seeds them as the whole batch would.
         base = int(prompts.meta_info.get("index_base", 0))
-        requests = [
-            self._request(prompts, i, offset, key, base) for i in range(len(prompts)) for offset in range(sampling.n)
-        ]
-        start = time.perf_counter()
-        await self._run_all(requests, sampling)
-        seconds = time.perf_counter() - start
-        return self._to_batch(requests, seconds, validate)
+        step = int(prompts.meta_info.get("global_steps", 0))
+        with spans.span("rollout", step=step, phase="val" if validate else "train", requests=len(prompts) * sampling.n):
+            rows = [(i, offset) for i in range(len(prompts)) for offset in range(sampling.n)]
+            requests = [self._request(prompts, i, offset, key, base) for i, offset in rows]
+            start = time.perf_counter()
+            await self._run_all(requests, sampling)
+            seconds = time.perf_counter() - start
+            with spans.span("padding", requests=len(requests)):
+                return self._to_batch(requests, seconds, validate)
 
     def _request(self, prompts: Batch, index: int, offset: int, key: str, base: int) -> Request:
+        with spans.span("preprocess") as span:
+            request = self._build_request(prompts, index, offset, key, base)
+            span.set(request_id=request.request_id, offset=offset, prompt_tokens=len(request.prompt_ids))
+        return request
+
+    def _build_request(self, prompts: Batch, index: int, offset: int, key: str, base: int) -> Request:
         extras = prompts.non_tensor_batch
         messages = [dict(m) for m in extras["raw_prompt"][index]]
         tools_kwargs = _tools_kwargs(extras, index)
@@ -223,6 +234,17 @@ class AgentLoop:
     # -- one request: the state machine -------------------------------------------------
 
     async def _rollout(self, request: Request, sampling: Sampling) -> None:
+        with spans.span("request", request_id=request.request_id, offset=request.offset) as span:
+            await self._run_request(request, sampling)
+            span.set(
+                turns=request.turns,
+                tool_calls=request.tool_calls,
+                finish_reason=request.finish_reason,
+                prompt_tokens=len(request.prompt_ids),
+                response_tokens=sum(request.response_mask),
+            )
+
+    async def _run_request(self, request: Request, sampling: Sampling) -> None:
         unknown = [name for name in request.tools_kwargs if name not in self.tools]
         if unknown:
             raise RolloutError(f"request {request.batch_index}/{request.offset}: tools {unknown} are not configured")
@@ -231,8 +253,6 @@ class AgentLoop:
             request.state = State.RUNNING
             while request.state is State.RUNNING:
                 await self._turn(request, sampling)
-                if request.state is State.TOOL_CALLING:
-                    await self._call_tools(request)
         except (Exception, asyncio.CancelledError) as exc:
             request.state = State.FAILED
             request.error = request.error or repr(exc)
@@ -242,8 +262,20 @@ class AgentLoop:
         self._truncate(request)
 
     async def _turn(self, request: Request, sampling: Sampling) -> None:
+        """One assistant turn and the tool calls it makes, or the end of the request."""
+        budget = self._budget(request)
+        if request.state is not State.RUNNING:
+            return
+        with spans.span("turn", turn=request.turns + 1):
+            await self._assistant_turn(request, sampling, budget)
+            if request.state is State.TOOL_CALLING:
+                await self._call_tools(request)
+
+    def _budget(self, request: Request) -> int:
+        """Tokens the next turn may generate; completes the request when no turn can start."""
         if request.turns >= self.config.multi_turn.max_turns:
-            return self._complete(request, "max_turns")
+            self._complete(request, "max_turns")
+            return 0
         budget = min(
             self.config.response_length - len(request.response_ids), self.config.model_len - request.length - 1
         )
@@ -253,7 +285,10 @@ class AgentLoop:
             )
             raise RolloutError(f"request {request.batch_index}/{request.offset}: {request.error}")
         if budget <= 0:
-            return self._complete(request, "length")
+            self._complete(request, "length")
+        return budget
+
+    async def _assistant_turn(self, request: Request, sampling: Sampling, budget: int) -> None:
         generation = await self._engine_call(request, sampling, budget)
         request.turns += 1
         request.extend(generation.token_ids, generation.log_probs)
@@ -280,8 +315,10 @@ class AgentLoop:
         ids = request.prompt_ids + request.response_ids
         where = f"request {request.batch_index}/{request.offset} (turn {request.turns + 1})"
         try:
-            call = self.backend.generate(ids, params, request.request_id)
-            [generation] = await asyncio.wait_for(call, self.config.timeout_s)
+            with spans.span("generate", tokens_in=len(ids)) as span:
+                call = self.backend.generate(ids, params, request.request_id)
+                [generation] = await asyncio.wait_for(call, self.config.timeout_s)
+                span.set(tokens_out=len(generation.token_ids), finish_reason=generation.finish_reason)
         except asyncio.TimeoutError:
             request.error = f"backend did not answer within timeout_s={self.config.timeout_s}"
             raise RolloutError(f"{where}: {request.error}") from None
@@ -315,8 +352,9 @@ class AgentLoop:
             return ToolResponse(f"Error: no tool named {name!r} (available: {', '.join(request.tools_kwargs)})")
         kwargs = request.tools_kwargs[name].get("execute_kwargs", {})
         try:
-            call = tool.execute(request.request_id, arguments, **kwargs)
-            return await asyncio.wait_for(call, self.config.multi_turn.tool_timeout_s)
+            with spans.span("tool_call", tool=name):
+                call = tool.execute(request.request_id, arguments, **kwargs)
+                return await asyncio.wait_for(call, self.config.multi_turn.tool_timeout_s)
         except asyncio.TimeoutError:
             return ToolResponse(f"Error: {name} timed out after {self.config.multi_turn.tool_timeout_s} s")
         except Exception as exc:
@@ -325,7 +363,11 @@ class AgentLoop:
     async def _lifecycle(self, request: Request, stage: str) -> None:
         await asyncio.gather(
             *(
-                getattr(self.tools[name], stage)(request.request_id, **kwargs.get(f"{stage}_kwargs", {}))
+                _timed(
+                    f"tool_{stage}",
+                    name,
+                    getattr(self.tools[name], stage)(request.request_id, **kwargs.get(f"{stage}_kwargs", {})),
+                )
                 for name, kwargs in request.tools_kwargs.items()
             )
         )
@@ -336,11 +378,10 @@ class AgentLoop:
         async def finish(name: str, tool: Tool, kwargs: Mapping) -> None:
             try:
                 if request.state is not State.FAILED:
-                    request.tool_rewards[name] = float(
-                        await tool.calc_reward(request.request_id, **kwargs.get("calc_reward_kwargs", {}))
-                    )
+                    reward = tool.calc_reward(request.request_id, **kwargs.get("calc_reward_kwargs", {}))
+                    request.tool_rewards[name] = float(await _timed("tool_reward", name, reward))
             finally:
-                await tool.release(request.request_id, **kwargs.get("release_kwargs", {}))
+                await _timed("tool_release", name, tool.release(request.request_id, **kwargs.get("release_kwargs", {})))
 
         await asyncio.shield(
             asyncio.gather(*(finish(n, self.tools[n], kw) for n, kw in request.tools_kwargs.items() if n in self.tools))
@@ -373,6 +414,11 @@ class AgentLoop:
             "validate": validate,
         }
         return batch
+
+
+async def _timed(event: str, tool: str, work: Awaitable[T]) -> T:
+    with spans.span(event, tool=tool):
+        return await work
 
 
 def _tools_kwargs(extras: Mapping[str, Any], index: int) -> dict[str, dict]:

@@ -242,3 +242,20 @@ def run(config: Any, console: Console) -> None:
     from skip_core.trainer import run
 
     run(config, console)
+
+
+def _plugin_commands() -> None:
+    """Let plugins add commands; one that fails to is reported, and the others still work."""
+    import warnings
+
+    from skip_core.plugins import distribution, load_plugins
+
+    for impl in load_plugins().hook.skip_register_commands.get_hookimpls():
+        try:
+            impl.function(cli=cli)
+        except Exception as exc:
+            plugin = distribution(impl.plugin_name)
+            warnings.warn(f"skip: {plugin} failed to add its commands: {exc!r}", RuntimeWarning, stacklevel=1)
+
+
+_plugin_commands()

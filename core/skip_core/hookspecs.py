@@ -118,3 +118,22 @@ def skip_dump(role, config, store, step, call, result):
     ``SkipManager.flush()`` waits for it. Exceptions become warnings: a failed dump never
     kills training.
     """
+
+
+@hookspec
+def skip_register_commands(cli):
+    """Add subcommands to the ``skip`` command: ``cli`` is its ``click.Group``.
+
+    Called once when the command starts; keep imports of heavy libraries inside the commands.
+    """
+
+
+@hookspec
+def skip_span_sinks(config, worker):
+    """Return a ``skip_core.spans.SpanSink`` to receive this process's spans, or ``None``.
+
+    Called by ``skip_core.spans.configure`` once per process (the trainer driver with
+    ``worker=-1``, each rollout worker with its rank) with the whole run config. Sinks are
+    resolved once and then called directly: a hook call per span would cost more than the
+    span itself.
+    """

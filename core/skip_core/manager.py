@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextvars
 import functools
 import inspect
 import threading
@@ -22,6 +23,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
+from skip_core import spans
 from skip_core.config import (
     KNOWN_ROLES,
     ConfigError,
@@ -84,11 +86,14 @@ class _Slot:
         """The result of a replaced call, or ``_MISS`` to run the function."""
         step, call = plan
         hooks = pm.hook
-        hit = hooks.skip_precondition(role=self.role, config=self.config, store=self.store, step=step, call=call)
+        with spans.span("skip_lookup", role=self.name) as span:
+            hit = hooks.skip_precondition(role=self.role, config=self.config, store=self.store, step=step, call=call)
+            span.set(cache="miss" if hit is None else "hit")
         if hit is None:
             return _MISS
         try:
-            result = hooks.skip_warp(role=self.role, config=self.config, store=self.store, hit=hit, call=call)
+            with spans.span("skip_load", role=self.name, source_step=hit.step):
+                result = hooks.skip_warp(role=self.role, config=self.config, store=self.store, hit=hit, call=call)
         except Exception as exc:
             warnings.warn(
                 f"skip.{self.name} step {step}: replacing the call from step {hit.step} failed ({exc!r}); "
@@ -118,7 +123,8 @@ class _Dumps:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="skip-dump")
                 atexit.register(self.flush)
-            future = self._executor.submit(_warn_on_failure, role, step, work)
+            # In the caller's context, so the dump's span lands in the step that produced it.
+            future = self._executor.submit(contextvars.copy_context().run, _warn_on_failure, role, step, work)
             self._pending.add(future)
         future.add_done_callback(self._done)
 
@@ -134,7 +140,8 @@ class _Dumps:
 
 def _warn_on_failure(role: str, step: int, work: Callable[[], Any]) -> None:
     try:
-        work()
+        with spans.span("skip_dump", role=role):
+            work()
     except Exception as exc:
         warnings.warn(f"skip.{role} step {step}: dump failed, training continues: {exc!r}", CacheWarning, stacklevel=1)
 

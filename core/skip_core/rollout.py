@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from skip_core import spans
 from skip_core.agent_loop import AgentLoop, LoopConfig
 from skip_core.backend import RolloutBackend, backend_factory
 from skip_core.batch import Batch
@@ -103,6 +104,7 @@ def run(config: Any, console: Console) -> Batch:
 
     hf_logging.disable_progress_bar()  # per-shard bars for a model that loads in milliseconds
     SkipManager.init(config)
+    spans.configure(config, worker=0)
     parts = RolloutParts.from_config(config)
     if select(config, "task.name") is not None:
         console.print(f"task {select(config, 'task.name')}: data and model under {select(config, 'task.dir')}")
@@ -118,7 +120,8 @@ def run(config: Any, console: Console) -> Batch:
         seconds = time.perf_counter() - start
     finally:
         loop.shutdown()
-    SkipManager.flush()
+        SkipManager.flush()
+        spans.close()
     console.print(summary(batch, prompts, tokenizer, config, seconds, loaded=loop.rollouts == 0))
     output = select(config, "output_dir")
     if output:

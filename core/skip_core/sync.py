@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from skip_core import spans
 from skip_core.hookspecs import hookimpl
 from skip_core.manager import SkipManager
 from skip_core.metrics import throughput_metrics, timing_metrics
@@ -19,10 +20,12 @@ from skip_core.schedule import Schedule
 
 
 @contextlib.contextmanager
-def timed(name: str, timing: dict[str, float]) -> Iterator[None]:
+def timed(name: str, timing: dict[str, float], **context: Any) -> Iterator[None]:
+    """Add the block's seconds to ``timing[name]``; it is also a ``trainer/<name>`` span."""
     start = time.perf_counter()
     try:
-        yield
+        with spans.span(f"trainer/{name}", **context):
+            yield
     finally:
         timing[name] = timing.get(name, 0.0) + time.perf_counter() - start
 
@@ -41,7 +44,7 @@ class SyncSchedule(Schedule):
         SkipManager.set_step(step)
         timing: dict[str, float] = {}
         metrics: dict[str, float] = {}
-        with timed("step", timing):
+        with timed("step", timing, step=step):
             batch = trainer.next_batch()
             with timed("gen", timing):
                 batch = trainer.generate(batch, step)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from omegaconf import OmegaConf
 from pydantic import BaseModel, ConfigDict, NonNegativeFloat, NonNegativeInt, PositiveInt, field_validator
 from rich.console import Console
 
+from skip_core import spans
 from skip_core.actor import ActorConfig, Policy
 from skip_core.agent_loop import LoopConfig
 from skip_core.algorithm import agg_loss, apply_kl_penalty, compute_advantages
@@ -170,6 +172,8 @@ class Trainer:
         self.global_steps = 0
         self.pools: list[Pool] = []
         self.tracking: Tracking | None = None
+        self.rollout: RolloutGroup | None = None
+        spans.configure(config, worker=-1)
 
     def _data(self) -> tuple[PromptLoader, RLDataset | None]:
         schemas = {name: tool.schema for name, tool in self.parts.tools.items()}
@@ -203,7 +207,9 @@ class Trainer:
         actor = Pool("actor", "resources.actor", 1, s.resources.actor.cpus)
         self.pools.append(actor)
         self.rollout = RolloutGroup(
-            rollout.spawn(RolloutWorker, resolved or to_container(self.config), s.resources.threads(rollout.cpus))
+            rollout.spawn(
+                RolloutWorker, resolved or to_container(self.config), s.resources.threads(rollout.cpus), Pool.RANK
+            )
         )
         (self.actor,) = actor.spawn(
             Policy,
@@ -231,9 +237,21 @@ class Trainer:
         SkipManager.flush()
         if self.tracking is not None:
             self.tracking.close()
+        self._stop_rollout()
         for pool in self.pools:
             pool.close()
         self.pools.clear()
+        spans.close()
+
+    def _stop_rollout(self) -> None:
+        """Let the rollout workers stop their engines and write their profiles before the pool kills them."""
+        if self.rollout is None:
+            return
+        try:
+            self.rollout.shutdown()
+        except Exception as exc:  # a worker that already died; the pool still frees the rest
+            warnings.warn(f"rollout workers did not shut down cleanly: {exc!r}", RuntimeWarning, stacklevel=2)
+        self.rollout = None
 
     def fit(self) -> None:
         self.schedule.fit(self)
@@ -338,7 +356,8 @@ class Trainer:
         batch = collate([self.val_set[i] for i in range(len(self.val_set))])
         gen_batch = batch.pop(GEN_TENSORS, [k for k in GEN_NON_TENSORS if k in batch.non_tensor_batch])
         gen_batch.meta_info.update(global_steps=self.global_steps, validate=True)
-        output = self.rollout.generate_sequences(gen_batch)
+        with spans.span("trainer/validate", step=self.global_steps, phase="val"):
+            output = self.rollout.generate_sequences(gen_batch)
         batch = batch.repeat(self.settings.rollout.val_kwargs.n, interleave=True).union(output)
         _, parts = self.rewarder(batch)
         metrics = {"val/score/mean": float(parts["score"].mean())}

@@ -7,6 +7,7 @@ assumes one machine: with ``RAY_ADDRESS`` set, the bundles land wherever the clu
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from skip_core import spans
 from skip_core.batch import Batch
 from skip_core.config import ConfigError
 from skip_core.manager import SkipManager
@@ -50,9 +52,13 @@ class Resources(BaseModel):
 
 
 class RolloutWorker:
-    """One agent loop and backend, built in the worker process from the resolved run config."""
+    """One agent loop and backend, built in the worker process from the resolved run config.
 
-    def __init__(self, config: Mapping[str, Any], threads: int) -> None:
+    ``rank`` names the worker in profiles; spans of work outside a rollout (weight loads)
+    carry the step of the last batch it generated.
+    """
+
+    def __init__(self, config: Mapping[str, Any], threads: int, rank: int) -> None:
         import torch
         from omegaconf import OmegaConf
         from transformers.utils import logging as hf_logging
@@ -62,20 +68,33 @@ class RolloutWorker:
         hf_logging.disable_progress_bar()
         torch.set_num_threads(threads)
         conf = OmegaConf.create(dict(config))
+        spans.configure(conf, worker=rank)
         self.loop = RolloutParts.from_config(conf).agent_loop(conf, load_tokenizer(conf))
+        self.step = 0
 
     def generate_sequences(self, prompts: Batch) -> Batch:
+        self.step = int(prompts.meta_info.get("global_steps", self.step))
         return self.loop.generate_sequences(prompts)
 
     def update_weights(self, state_dict: Mapping[str, Any]) -> None:
-        self.loop.update_weights(state_dict)
+        with spans.span("weight_sync", step=self.step):
+            self.loop.update_weights(state_dict)
 
     def shutdown(self) -> None:
-        self.loop.shutdown()
+        """Stop the engine and write out the spans still buffered (``ray.kill`` would lose them)."""
+        try:
+            self.loop.shutdown()
+        finally:
+            spans.close()
 
 
 class Pool:
-    """A placement group and the actors placed in its bundles."""
+    """A placement group and the actors placed in its bundles.
+
+    ``spawn`` replaces an argument given as ``Pool.RANK`` by the actor's bundle index.
+    """
+
+    RANK = object()
 
     def __init__(self, name: str, key: str, bundles: int, cpus: float) -> None:
         self.name, self.cpus = name, cpus
@@ -95,7 +114,8 @@ class Pool:
         for index in range(self.group.bundle_count):
             strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index)
             actor = remote.options(num_cpus=self.cpus, scheduling_strategy=strategy, name=None)
-            self.actors.append(actor.remote(*args, **kwargs))
+            ranked = [index if a is Pool.RANK else a for a in args]
+            self.actors.append(actor.remote(*ranked, **{k: index if v is Pool.RANK else v for k, v in kwargs.items()}))
         # Wait for the constructors (model loading), so the first step's timing is the step's.
         ray.get([actor.__ray_ready__.remote() for actor in self.actors])
         return self.actors
@@ -126,14 +146,29 @@ class RolloutGroup:
         for rank, (worker, part) in enumerate(zip(self.workers, parts, strict=True)):
             part.meta_info = {**prompts.meta_info, "index_base": rank * len(part)}
             futures.append(worker.generate_sequences.remote(part))
-        outputs = ray.get(futures)
-        merged = Batch.concat(outputs)
-        merged.meta_info = {"rollout": merge_rollout_stats([out.meta_info["rollout"] for out in outputs])}
+        outputs = self._gather(futures)
+        with spans.span("batch_construction", workers=len(outputs)):
+            merged = Batch.concat(outputs)
+            merged.meta_info = {"rollout": merge_rollout_stats([out.meta_info["rollout"] for out in outputs])}
         return merged
+
+    @staticmethod
+    def _gather(futures: list[Any]) -> list[Batch]:
+        """The workers' batches in rank order; each worker's wait for the slowest is a ``barrier_wait`` span."""
+        arrived: dict[Any, float] = {}
+        pending = list(futures)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            arrived.update((ref, time.time()) for ref in done)
+        last = max(arrived.values())
+        for rank, ref in enumerate(futures):
+            spans.record("barrier_wait", arrived[ref], last, workid=rank)
+        return ray.get(futures)
 
     def update_weights(self, state_dict: Any) -> None:
         """Push new weights (a Ray object ref is fetched once per worker, not per call)."""
-        ray.get([worker.update_weights.remote(state_dict) for worker in self.workers])
+        with spans.span("weight_sync"):
+            ray.get([worker.update_weights.remote(state_dict) for worker in self.workers])
 
     def shutdown(self) -> None:
         ray.get([worker.shutdown.remote() for worker in self.workers])
