@@ -245,13 +245,12 @@ class Trainer:
 
     def _stop_rollout(self) -> None:
         """Let the rollout workers stop their engines and write their profiles before the pool kills them."""
-        if self.rollout is None:
+        if self.rollout is None or not self.pools:  # never started, or already closed
             return
         try:
             self.rollout.shutdown()
         except Exception as exc:  # a worker that already died; the pool still frees the rest
             warnings.warn(f"rollout workers did not shut down cleanly: {exc!r}", RuntimeWarning, stacklevel=2)
-        self.rollout = None
 
     def fit(self) -> None:
         self.schedule.fit(self)
