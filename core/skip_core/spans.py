@@ -22,38 +22,25 @@ import time
 import warnings
 from typing import Any, Protocol
 
+_now = time.time
+
+# Attributes a span passes down to the spans opened inside it.
+CONTEXT = ("step", "phase", "workid", "request_id", "offset", "turn")
+
 
 class Span:
-    """One timed event; sinks read its fields when it ends (``end`` is set then)."""
+    """One timed event; sinks receive it when it ends.
 
-    __slots__ = (
-        "_token",
-        "attrs",
-        "end",
-        "name",
-        "offset",
-        "parent_id",
-        "phase",
-        "request_id",
-        "span_id",
-        "start",
-        "step",
-        "turn",
-        "workid",
-    )
+    ``attrs`` are the keywords it was opened with plus what ``set`` added; those named in
+    ``CONTEXT`` also hold for every span inside it, which ``context()`` resolves (off the hot
+    path: opening a span only links it to its parent).
+    """
 
-    def __init__(self, name: str, parent: Span, context: tuple, attrs: dict[str, Any]) -> None:
-        self.name, self.attrs = name, attrs
-        self.span_id, self.parent_id = next(_ids), parent.span_id
-        step, phase, workid, request_id, offset, turn = context
-        self.step = parent.step if step is None else step
-        self.phase = parent.phase if phase is None else phase
-        self.workid = parent.workid if workid is None else workid
-        self.request_id = parent.request_id if request_id is None else request_id
-        self.offset = parent.offset if offset is None else offset
-        self.turn = parent.turn if turn is None else turn
-        self.start = self.end = 0.0
-        self._token = None
+    __slots__ = ("_context", "_token", "attrs", "end", "name", "parent", "span_id", "start")
+
+    def __init__(self, name: str, parent: Span | None, attrs: dict[str, Any]) -> None:
+        self.name, self.parent, self.attrs, self._context = name, parent, attrs, None
+        self.span_id = next(_ids)
 
     def set(self, **attrs: Any) -> None:
         """Add attributes known only once the work ran (tokens out, finish reason, cache hit)."""
@@ -61,23 +48,32 @@ class Span:
 
     def __enter__(self) -> Span:
         self._token = _current.set(self)
-        self.start = time.time()
-        for start in _starters:
-            start(self)
+        if _starters:
+            for start in _starters:
+                start(self)
+        self.start = _now()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.end = time.time()
+        self.end = _now()
         _current.reset(self._token)
-        _emit(self)
+        try:
+            for end in _enders:
+                end(self)
+        except Exception as error:  # a profiler must never fail the work it measures
+            _drop(end, error)
 
+    @property
+    def parent_id(self) -> int:
+        return 0 if self.parent is None else self.parent.span_id
 
-class _Root(Span):
-    """The context outside any span: no parent, nothing inherited."""
-
-    def __init__(self) -> None:
-        self.name, self.attrs, self.span_id, self.parent_id = "", {}, 0, 0
-        self.step = self.phase = self.workid = self.request_id = self.offset = self.turn = None
+    def context(self) -> dict[str, Any]:
+        """The ``CONTEXT`` attributes in force for this span: its own over its ancestors'."""
+        if self._context is None:
+            inherited = {} if self.parent is None else self.parent.context()
+            own = {key: self.attrs[key] for key in CONTEXT if key in self.attrs}
+            self._context = {**inherited, **own} if own else inherited
+        return self._context
 
 
 class _NoSpan:
@@ -106,50 +102,26 @@ class SpanSink(Protocol):
     def close(self) -> None: ...
 
 
-_ROOT = _Root()
 _NO_SPAN = _NoSpan()
-_current: contextvars.ContextVar[Span] = contextvars.ContextVar("skip_span", default=_ROOT)
+_current: contextvars.ContextVar[Span | None] = contextvars.ContextVar("skip_span", default=None)
 _ids = itertools.count(1)
 _sinks: list[SpanSink] = []
 _enders: list = []
 _starters: list = []
 
 
-def span(
-    name: str,
-    *,
-    step: int | None = None,
-    phase: str | None = None,
-    workid: int | None = None,
-    request_id: str | None = None,
-    offset: int | None = None,
-    turn: int | None = None,
-    **attrs: Any,
-) -> Span | _NoSpan:
-    """A context manager timing ``name``; the keyword-only context fields are inherited by the
-    spans opened inside it, other keywords are this span's attributes."""
+def span(name: str, **attrs: Any) -> Span | _NoSpan:
+    """A context manager timing ``name`` with ``attrs``; see ``CONTEXT`` for those inherited."""
     if not _enders:
         return _NO_SPAN
-    return Span(name, _current.get(), (step, phase, workid, request_id, offset, turn), attrs)
+    return Span(name, _current.get(), attrs)
 
 
-def record(
-    name: str,
-    start: float,
-    end: float,
-    *,
-    step: int | None = None,
-    phase: str | None = None,
-    workid: int | None = None,
-    request_id: str | None = None,
-    offset: int | None = None,
-    turn: int | None = None,
-    **attrs: Any,
-) -> None:
+def record(name: str, start: float, end: float, **attrs: Any) -> None:
     """Emit a span measured apart (a barrier wait known only once every worker is back)."""
     if not _enders:
         return
-    done = Span(name, _current.get(), (step, phase, workid, request_id, offset, turn), attrs)
+    done = Span(name, _current.get(), attrs)
     done.start, done.end = start, end
     _emit(done)
 
@@ -159,11 +131,11 @@ def enabled() -> bool:
 
 
 def _emit(done: Span) -> None:
-    for end in _enders:
-        try:
+    try:
+        for end in _enders:
             end(done)
-        except Exception as exc:  # a profiler must never fail the work it measures
-            _drop(end, exc)
+    except Exception as exc:  # a profiler must never fail the work it measures
+        _drop(end, exc)
 
 
 def _drop(end: Any, exc: Exception) -> None:

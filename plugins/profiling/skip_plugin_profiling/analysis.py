@@ -34,7 +34,7 @@ DROPS = (0.05, 0.10, 0.20)
 #: A step is a peak when its rollout time exceeds median + PEAK_MADS × MAD and PEAK_RATIO × median.
 PEAK_MADS, PEAK_RATIO, MAD_FLOOR = 3.0, 1.25, 0.05
 #: A gap between completions is flagged above max(GAP_MIN_S, GAP_FACTOR × median gap, GAP_ROLLOUT × rollout).
-GAP_MIN_S, GAP_FACTOR, GAP_ROLLOUT = 10.0, 5.0, 0.10
+GAP_MIN_S, GAP_FACTOR, GAP_ROLLOUT = 10.0, 5.0, 0.20
 TAIL_ASSUMPTIONS = (
     "engine throughput is unchanged: each request keeps its own time per generated token",
     "a truncated response ends at the cap and would score differently (often as a failure)",
@@ -288,8 +288,8 @@ class _Pairs:
         has_rollout = np.bincount(inv[rollout], minlength=n) > 0
         has_barrier = np.bincount(inv[barrier], minlength=n) > 0
         self.busy = np.where(has_rollout, busy, np.nan_to_num(self.last - self.first))
-        step_idx = np.searchsorted(np.unique(self.step), self.step)
-        step_last = _reduce(step_idx, step_idx.max(initial=-1) + 1, self.last, "max")[step_idx] if n else self.last
+        steps, of_step = np.unique(self.step, return_inverse=True)
+        step_last = _reduce(of_step, len(steps), self.last, "max")[of_step]
         self.wait = np.where(has_barrier, wait, np.nan_to_num(np.maximum(step_last - self.last, 0.0)))
         self.total = self.busy + self.wait
         req = fr.requests
@@ -373,7 +373,7 @@ def trainer_phases(source: Logs | pa.Table) -> pa.Table | None:
         .sort_by([("s_sum", "descending")])
     )
     phases = order["event"].to_pylist()
-    cells = {(s, e): d for s, e, d in zip(sums["step"], sums["event"], sums["duration_sum"])}
+    cells = {(s, e): d for s, e, d in zip(sums["step"], sums["event"], sums["duration_sum"], strict=True)}
     columns: dict[str, list] = {"step": steps}
     for name in phases:
         columns[name.removeprefix("trainer/")] = [cells.get((s, name), 0.0) for s in steps]
@@ -496,8 +496,9 @@ def _workers(fr: _Frame, step: int | None) -> Workers | None:
 def _largest_gap(done: np.ndarray, rollout: float) -> tuple[float, float, float, float]:
     """(gap, from, to, threshold) of the longest time between consecutive completions.
 
-    Threshold: max(10 s, 5 × the median gap, 10% of the rollout). The median needs three gaps
-    to ignore the outlier it judges, so with fewer only the absolute floors apply.
+    Threshold: max(10 s, 5 × the median gap, 20% of the rollout): the last completions of any
+    long tail are sparse, so only a gap that is a large part of the step is worth a sentence.
+    The median needs three gaps to ignore the outlier it judges; with fewer only the floors apply.
     """
     floor = max(GAP_MIN_S, GAP_ROLLOUT * rollout)
     if len(done) < 2:
@@ -532,16 +533,17 @@ def _slowest(fr: _Frame, step: int | None, top: int) -> list[SlowRequest]:
     rows = np.flatnonzero(np.isin(req.index, chosen))
     events = fr.table.take(pa.array(rows)).to_pylist()
     by_request: dict[int, list[dict]] = {int(r): [] for r in chosen}
-    for row, event in zip(req.index[rows].tolist(), events):
+    for row, event in zip(req.index[rows].tolist(), events, strict=True):
         by_request[row].append(event)
     ids = req.ids(fr, chosen)
     containers = set(fr.containers)
-    return [_slow_request(req, int(r), rid, by_request[int(r)], containers) for r, rid in zip(chosen, ids)]
+    return [_slow_request(req, int(r), rid, by_request[int(r)], containers) for r, rid in zip(chosen, ids, strict=True)]
 
 
 def _slow_request(req: _Requests, r: int, rid: str, events: list[dict], containers: set[str]) -> SlowRequest:
     origin = req.start[r]
-    core = {"step", "phase", "workid", "event", "start", "end", "duration", "request_id", "turn"}
+    core = {"step", "phase", "workid", "event", "raw_event", "start", "end", "duration", "request_id", "turn"}
+    core |= {"span_id", "parent_id", "pid"}
     rows = []
     for e in sorted(events, key=lambda e: (e["start"], -e["end"])):
         attrs = {k: v for k, v in e.items() if v is not None and k not in core}
@@ -557,9 +559,16 @@ def _slow_request(req: _Requests, r: int, rid: str, events: list[dict], containe
         )
     dominant, seconds, count = _dominant([r for r in rows if r["event"] not in containers])
     return SlowRequest(
-        int(req.step[r]), int(req.workid[r]), rid, float(req.duration[r]), float(req.rel_start[r]), rows,
-        dominant, seconds, count,
-    )  # fmt: skip
+        int(req.step[r]),
+        int(req.workid[r]),
+        rid,
+        float(req.duration[r]),
+        float(req.rel_start[r]),
+        rows,
+        dominant,
+        seconds,
+        count,
+    )
 
 
 def _dominant(rows: list[dict]) -> tuple[str | None, float, int]:
@@ -567,7 +576,7 @@ def _dominant(rows: list[dict]) -> tuple[str | None, float, int]:
     best: tuple[str | None, float, int] = (None, 0.0, 0)
     for name in dict.fromkeys(r["event"] for r in rows):
         spans = [(r["start"], r["end"]) for r in rows if r["event"] == name]
-        covered = float(_union_length(np.zeros(len(spans), int), *map(np.array, zip(*spans)), 1)[0])
+        covered = float(_union_length(np.zeros(len(spans), int), *map(np.array, zip(*spans, strict=True)), 1)[0])
         if covered > best[1]:
             best = (name, covered, len(spans))
     return best
@@ -622,10 +631,10 @@ def _turns(fr: _Frame) -> Turns:
     ).sort_by([("step", "ascending"), ("turn", "ascending")])
     by_count = _mean_by({"turns": req.turns}, req.duration, "mean_duration", "requests").sort_by("turns")
     distribution = _mean_by({"step": req.step, "turns": req.turns}, req.duration, "_", "requests").drop_columns("_")
-    per_step = dict(zip(*np.unique(req.step, return_counts=True)))
+    per_step = dict(zip(*np.unique(req.step, return_counts=True), strict=True))
     steps = distribution["step"].to_pylist()
     distribution = distribution.append_column(
-        "share", pa.array([c / per_step[s] for s, c in zip(steps, distribution["requests"].to_pylist())])
+        "share", pa.array([c / per_step[s] for s, c in zip(steps, distribution["requests"].to_pylist(), strict=True)])
     ).sort_by([("step", "ascending"), ("turns", "ascending")])
     return Turns(by_turn, by_count, distribution)
 
@@ -647,12 +656,7 @@ def _turn_index(fr: _Frame, gen: np.ndarray) -> np.ndarray:
 
 def _mean_by(keys: dict[str, np.ndarray], values: np.ndarray, mean: str, count: str) -> pa.Table:
     table = pa.table({**keys, "v": values}).group_by(list(keys)).aggregate([("v", "mean"), ("v", "count")])
-    return table.rename_columns([*keys, mean, count]) if table.column_names[0] == "v_mean" else _renamed(table, mean, count)
-
-
-def _renamed(table: pa.Table, mean: str, count: str) -> pa.Table:
-    names = [mean if n == "v_mean" else count if n == "v_count" else n for n in table.column_names]
-    return table.rename_columns(names)
+    return table.select([*keys, "v_mean", "v_count"]).rename_columns([*keys, mean, count])
 
 
 def _tail(fr: _Frame, lengths, drops) -> TailAdvice:
@@ -677,8 +681,7 @@ def _caps(req, step_idx, base, n_steps, total, lengths) -> tuple[pa.Table, str]:
     candidates = {_round2(np.percentile(tokens[known], p)): f"p{p}" for p in TOKEN_PERCENTILES}
     for length in lengths:
         candidates[int(length)] = "given"
-    rows = dict(empty)
-    rows = {k: [] for k in empty}
+    rows: dict[str, list] = {k: [] for k in empty}
     for length, label in sorted(candidates.items()):
         over = known & (tokens > length)
         cut = np.where(over & ~np.isnan(per_token), (tokens - length) * np.nan_to_num(per_token), 0.0)
@@ -706,7 +709,13 @@ _CAPS_SCHEMA = pa.schema(
 def _oversample(req, step_idx, base, n_steps, total, drops) -> pa.Table:
     """Launch n/(1-x), keep the first n: a step ends when a (1-x) share of its requests is done."""
     work = float(np.sum(np.where(req.gen_time > 0, req.gen_time, req.duration)))
-    rows: dict[str, list] = {"drop": [], "saved_s": [], "saved_pct": [], "extra_requests_pct": [], "extra_generate_s": []}
+    rows: dict[str, list] = {
+        "drop": [],
+        "saved_s": [],
+        "saved_pct": [],
+        "extra_requests_pct": [],
+        "extra_generate_s": [],
+    }
     for drop in drops:
         saved = 0.0
         for i in range(n_steps):
@@ -726,7 +735,7 @@ def _round2(x: float) -> int:
     """Two significant digits: 1234 -> 1200, the kind of number one puts in a config."""
     if x < 10:
         return max(1, round(x))
-    digits = int(math.floor(math.log10(x))) - 1
+    digits = math.floor(math.log10(x)) - 1
     return int(round(x, -digits))
 
 
@@ -764,7 +773,7 @@ def _f_tail(a: Analysis) -> list[Finding]:
 def _f_peaks(a: Analysis) -> list[Finding]:
     r = a.rollout
     out = []
-    times = dict(zip(r.table["step"].to_pylist(), r.table["rollout_time"].to_pylist()))
+    times = dict(zip(r.table["step"].to_pylist(), r.table["rollout_time"].to_pylist(), strict=True))
     for step in r.peaks:
         ratio = times[step] / r.median
         text = (
@@ -816,15 +825,23 @@ def _f_slowest(a: Analysis) -> list[Finding]:
     text = f"The slowest request of step {r.step}, {r.request_id} on worker {r.workid}, took {r.duration:.1f} s"
     if r.dominant_event:
         calls = f" over {r.dominant_count} spans" if r.dominant_count > 1 else ""
-        text += f"; {r.dominant_event} took {r.dominant_seconds:.1f} s of it{calls} ({r.dominant_seconds / r.duration:.0%})"
+        text += (
+            f"; {r.dominant_event} took {r.dominant_seconds:.1f} s of it{calls} ({r.dominant_seconds / r.duration:.0%})"
+        )
     values = {"event_seconds": r.dominant_seconds, "spans": r.dominant_count}
     return [
         Finding(
-            "slow_request", text + ".", step=r.step, worker=r.workid, request_id=r.request_id,
-            event=r.dominant_event, seconds=r.duration,
-            share=r.dominant_seconds / r.duration if r.duration > 0 else None, values=values,
+            "slow_request",
+            text + ".",
+            step=r.step,
+            worker=r.workid,
+            request_id=r.request_id,
+            event=r.dominant_event,
+            seconds=r.duration,
+            share=r.dominant_seconds / r.duration if r.duration > 0 else None,
+            values=values,
         )
-    ]  # fmt: skip
+    ]
 
 
 def _f_shares(a: Analysis, top: int = 3) -> list[Finding]:
@@ -910,6 +927,8 @@ def _ints(table: pa.Table, name: str, fill: int = 0) -> np.ndarray:
 
 def _reduce(groups: np.ndarray, n: int, values: np.ndarray, how: str) -> np.ndarray:
     """Per-group min or max, NaN where a group has no (non-NaN) value."""
+    values = values.astype(np.float64, copy=False)  # mixed dtypes send ufunc.at down a slow path
+    groups = groups.astype(np.intp, copy=False)
     ok = ~np.isnan(values)
     groups, values = groups[ok], values[ok]
     if how == "min":

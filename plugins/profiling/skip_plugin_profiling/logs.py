@@ -131,7 +131,7 @@ def read_logs(path: str | os.PathLike) -> Logs:
         results = list(pool.map(_read_file, files))
     tables = [table for table, _, _ in results if table.num_rows]
     logs = Logs(_concat(tables), root, files)
-    for file, (_, skipped, slow) in zip(files, results):
+    for file, (_, skipped, slow) in zip(files, results, strict=True):
         logs.skipped[file] = skipped
         if slow:
             logs.line_by_line.append(file)
@@ -346,10 +346,7 @@ def _epoch(timestamp: pa.ChunkedArray | None, n: int) -> pa.ChunkedArray:
     so all of one run's naive timestamps stay on one consistent clock."""
     if timestamp is None or pa.types.is_null(timestamp.type):
         return pa.chunked_array([pa.nulls(n, pa.float64())])
-    if pa.types.is_timestamp(timestamp.type):
-        parsed = timestamp
-    else:
-        parsed = _parse_iso(_to_string(timestamp))
+    parsed = timestamp if pa.types.is_timestamp(timestamp.type) else _parse_iso(_to_string(timestamp))
     micros = parsed.cast(pa.timestamp("us", tz=parsed.type.tz)).cast(pa.int64())
     return pc.divide(micros.cast(pa.float64()), 1e6)
 

@@ -11,6 +11,7 @@ drains the queue. A failed write warns once and drops spans: profiling never sto
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 import threading
@@ -27,6 +28,30 @@ class ProfilingWarning(UserWarning):
     """Profiling lost spans (a write failed); training goes on."""
 
 
+_TOP_LEVEL = ("step", "phase", "workid")
+_EXTRA = ("request_id", "offset", "turn")
+_encode = json.JSONEncoder(default=str).encode  # one encoder: json.dumps(default=...) builds one per call
+
+
+@functools.lru_cache(maxsize=4096)
+def _quoted(name: str) -> str:
+    """Event and phase names repeat: encode each once."""
+    return _encode(name)
+
+
+class _LocalClock:
+    """ISO 8601 local time with microseconds, formatting the date and time once per second."""
+
+    def __init__(self) -> None:
+        self._second, self._prefix = -1, ""
+
+    def iso(self, seconds: float) -> str:
+        whole = int(seconds)
+        if whole != self._second:
+            self._second, self._prefix = whole, datetime.fromtimestamp(whole).isoformat()
+        return f"{self._prefix}.{int((seconds - whole) * 1e6):06d}"
+
+
 class Recorder:
     """One process's sink: files ``{dir}/step_{k}/worker_{worker}.jsonl`` (``val_step_{k}`` for validation)."""
 
@@ -40,17 +65,15 @@ class Recorder:
         self.written = 0
         self.dropped = 0
         self._queue: collections.deque[Span] = collections.deque()
+        self.end = self._queue.append  # the hot path: a C call, no Python frame
         self._files: dict[tuple[str, int], Any] = {}
         self._lock = threading.Lock()  # one drain at a time: the thread, flush() and close()
         self._closed = threading.Event()
         self._failed = False
+        self._pid = os.getpid()
+        self._clock = _LocalClock()
         self._thread = threading.Thread(target=self._run, name="skip-profiling", daemon=True)
         self._thread.start()
-
-    def end(self, span: Span) -> None:
-        if self.steps and span.step not in self.steps:
-            return
-        self._queue.append(span)
 
     def flush(self) -> None:
         with self._lock:
@@ -73,34 +96,28 @@ class Recorder:
 
     def _drain(self) -> None:
         lines: dict[tuple[str, int], list[str]] = collections.defaultdict(list)
-        queue, pid = self._queue, os.getpid()
+        queue, steps = self._queue, self.steps
         while queue:
             span = queue.popleft()
-            phase = span.phase or "train"
-            lines[(phase, span.step or 0)].append(self._line(span, phase, pid))
+            context = span.context()
+            step, phase = context.get("step") or 0, context.get("phase") or "train"
+            if not steps or step in steps:
+                lines[(phase, step)].append(self._line(span, context, step, phase))
         for key, batch in lines.items():
             self._write(key, batch)
 
-    def _line(self, span: Span, phase: str, pid: int) -> str:
-        extra = dict(span.attrs)
-        for name in ("request_id", "offset", "turn"):
-            value = getattr(span, name)
-            if value is not None:
-                extra[name] = value
-        entry = {
-            "timestamp": datetime.fromtimestamp(span.end).isoformat(),
-            "event": span.name,
-            "duration_sec": span.end - span.start,
-            "workid": self.worker if span.workid is None else span.workid,
-            "step": span.step or 0,
-            "phase": phase,
-            "start": span.start,
-            "pid": pid,
-            "span_id": span.span_id,
-            "parent_id": span.parent_id,
-            "extra": extra,
-        }
-        return json.dumps(entry, default=str) + "\n"
+    def _line(self, span: Span, context: dict[str, Any], step: int, phase: str) -> str:
+        """One JSON object, formatted by hand: only ``extra`` and the names need the JSON encoder."""
+        extra = {**{k: v for k, v in context.items() if k in _EXTRA}, **span.attrs}
+        for key in _TOP_LEVEL:
+            extra.pop(key, None)
+        workid = context.get("workid", self.worker)
+        return (
+            f'{{"timestamp": "{self._clock.iso(span.end)}", "event": {_quoted(span.name)}, '
+            f'"duration_sec": {span.end - span.start!r}, "workid": {int(workid)}, "step": {int(step)}, '
+            f'"phase": {_quoted(phase)}, "start": {span.start!r}, "pid": {self._pid}, "span_id": {span.span_id}, '
+            f'"parent_id": {span.parent_id}, "extra": {_encode(extra)}}}\n'
+        )
 
     def _write(self, key: tuple[str, int], lines: list[str]) -> None:
         if self._failed:
