@@ -131,10 +131,19 @@ def test_two_plugins_registering_one_role_is_an_error(tmp_path):
     assert "role 'rollout' is registered by both" in error.value.stderr
 
 
-def test_core_imports_no_plugin_and_no_torch():
-    code = (
-        "import json, sys, skip_core, skip_core.cli\n"
-        "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('skip_plugin', 'torch')))))"
-    )
+def heavy_modules(statement: str, prefixes: tuple[str, ...]) -> list[str]:
+    listing = f"sorted(m for m in sys.modules if m.startswith({prefixes!r}))"
+    code = f"import json, sys\n{statement}\nprint(json.dumps({listing}))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert json.loads(done.stdout) == []
+    return json.loads(done.stdout)
+
+
+def test_core_imports_no_plugin_and_no_torch():
+    assert heavy_modules("import skip_core", ("skip_plugin", "torch")) == []
+
+
+def test_the_command_loads_plugins_for_their_commands_but_no_heavy_library():
+    """`skip` builds its command tree from plugins on every start: it must stay quick."""
+    loaded = heavy_modules("import skip_core.cli", ("skip_plugin", "torch", "transformers", "pyarrow", "matplotlib"))
+    assert "skip_plugin_profiling.cli" in loaded
+    assert [m for m in loaded if not m.startswith("skip_plugin")] == []

@@ -10,15 +10,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from pydantic import BaseModel, ConfigDict
 
-from skip_core.batch import Batch
 from skip_core.config import ConfigError, lookup
 from skip_core.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    import torch
+
+    from skip_core.batch import Batch
 
 RewardFn = Callable[[str, str, Any, Mapping[str, Any]], float]
 
@@ -92,6 +95,8 @@ class Rewarder:
 
 def place_on_last_token(scores: np.ndarray, response_mask: torch.Tensor) -> torch.Tensor:
     """A [samples, length] tensor holding each score on its last sampled token (last token if none)."""
+    import torch  # here, not at the top: this module loads with `skip`, whose startup must not pay for torch
+
     length = response_mask.shape[1]
     positions = torch.arange(length).expand_as(response_mask)
     last = torch.where(response_mask.bool(), positions, -1).max(dim=1).values

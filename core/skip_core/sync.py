@@ -15,7 +15,6 @@ from typing import Any
 from skip_core import spans
 from skip_core.hookspecs import hookimpl
 from skip_core.manager import SkipManager
-from skip_core.metrics import throughput_metrics, timing_metrics
 from skip_core.schedule import Schedule
 
 
@@ -40,6 +39,8 @@ class SyncSchedule(Schedule):
                 advance()
 
     def step(self, trainer: Any) -> None:
+        from skip_core.metrics import throughput_metrics, timing_metrics  # torch: not at `skip` startup
+
         step = trainer.global_steps + 1
         SkipManager.set_step(step)
         timing: dict[str, float] = {}
