@@ -287,7 +287,9 @@ class Trainer:
     # -- the phases of a step ----------------------------------------------------------
 
     def next_batch(self) -> Batch:
-        return next(self.loader)
+        """The step's prompts: reading, chat templates and tokenization happen here (``data`` span)."""
+        with spans.span("trainer/data"):
+            return next(self.loader)
 
     def generate(self, batch: Batch, step: int) -> Batch:
         """Roll out the prompts and return them joined with their samples (verl's pop, repeat, union)."""

@@ -27,6 +27,7 @@ import pyarrow.compute as pc
 from skip_plugin_profiling.logs import Logs
 
 #: Spans that contain other spans: counting them in shares would count their children twice.
+OUTSIDE_ROLLOUT = ("weight_sync",)
 CONTAINERS = frozenset({"rollout", "request", "turn"})
 QUANTILES = (0.5, 0.8, 0.95, 0.99)
 TOKEN_PERCENTILES = (50, 80, 90, 95, 99)
@@ -181,7 +182,11 @@ class _Frame:
 
     @cached_property
     def side(self) -> np.ndarray:
-        return self.workid >= 0
+        """Rollout-side events: a rollout worker's, or the driver's about one (barrier waits).
+        A worker's ``weight_sync`` loads the next rollout's weights after the step trained:
+        counting it would stretch the rollout over the whole training step."""
+        outside = np.isin(self.event, [self.code(name) for name in OUTSIDE_ROLLOUT])
+        return (self.workid >= 0) & ~outside
 
     @cached_property
     def steps(self) -> _Steps:
@@ -299,10 +304,12 @@ class _Pairs:
 
 
 def _containers(fr: _Frame) -> list[str]:
-    """Names whose spans mostly have children (by ``parent_id`` within a ``pid``), plus the
-    fixed containers: a name is judged by majority so one odd nesting does not hide it."""
+    """Names whose spans mostly have children, plus the fixed containers: a name is judged by
+    majority so one odd nesting does not hide it. Span ids are unique within one process's
+    file (``pid`` alone can repeat across nodes), so parents are looked up by (file, span id)."""
     names = set(CONTAINERS) & set(fr.names)
-    pid, span, parent = (_ints(fr.table, c, -1) for c in ("pid", "span_id", "parent_id"))
+    source = "file" if "file" in fr.table.column_names and fr.table["file"].null_count == 0 else "pid"
+    pid, span, parent = (_ints(fr.table, c, -1) for c in (source, "span_id", "parent_id"))
     has = (pid >= 0) & (span > 0)
     if not has.any():
         return sorted(names)
@@ -543,7 +550,7 @@ def _slowest(fr: _Frame, step: int | None, top: int) -> list[SlowRequest]:
 def _slow_request(req: _Requests, r: int, rid: str, events: list[dict], containers: set[str]) -> SlowRequest:
     origin = req.start[r]
     core = {"step", "phase", "workid", "event", "raw_event", "start", "end", "duration", "request_id", "turn"}
-    core |= {"span_id", "parent_id", "pid"}
+    core |= {"span_id", "parent_id", "pid", "file"}
     rows = []
     for e in sorted(events, key=lambda e: (e["start"], -e["end"])):
         attrs = {k: v for k, v in e.items() if v is not None and k not in core}
@@ -802,7 +809,7 @@ def _f_straggler(a: Analysis) -> list[Finding]:
     return [Finding("straggler", text, step=w.step, worker=w.straggler, seconds=w.straggler_excess, values=values)]
 
 
-def _f_gaps(a: Analysis) -> list[Finding]:
+def _f_gaps(a: Analysis, top: int = 3) -> list[Finding]:
     w = a.workers
     if w is None:
         return []
@@ -815,7 +822,7 @@ def _f_gaps(a: Analysis) -> list[Finding]:
             )
             values = {"from": row["gap_from"], "to": row["gap_to"], "threshold": row["gap_threshold"]}
             out.append(Finding("gap", text, step=w.step, worker=row["workid"], seconds=row["gap"], values=values))
-    return sorted(out, key=lambda f: -(f.seconds or 0))
+    return sorted(out, key=lambda f: -(f.seconds or 0))[:top]
 
 
 def _f_slowest(a: Analysis) -> list[Finding]:
@@ -848,8 +855,8 @@ def _f_shares(a: Analysis, top: int = 3) -> list[Finding]:
     out = []
     for row in a.shares.table.slice(0, top).to_pylist():
         text = (
-            f"{row['event']} took {row['mean_share']:.1%} of a rollout worker's step on average "
-            f"({row['mean_seconds']:.1f} s of busy time + barrier wait, over {a.shares.pairs} worker-steps)."
+            f"{row['event']} took {row['mean_share']:.1%} of a rollout worker's step (busy + barrier wait) on "
+            f"average, {row['mean_seconds']:.1f} s per worker-step over {_plural(a.shares.pairs, 'worker-step')}."
         )
         out.append(
             Finding("event_share", text, event=row["event"], share=row["mean_share"], seconds=row["mean_seconds"])
@@ -891,6 +898,10 @@ def _f_advisor(a: Analysis) -> list[Finding]:
         values = {"drop": best["drop"], "extra_requests_pct": best["extra_requests_pct"]}
         out.append(Finding("oversample", text, seconds=best["saved_s"], share=best["saved_pct"] / 100, values=values))
     return out
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' * (n != 1)}"
 
 
 # --- helpers ----------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ CORE = pa.schema(
         ("span_id", pa.int64()),
         ("parent_id", pa.int64()),
         ("pid", pa.int64()),
+        ("file", pa.int64()),  # index into Logs.files: span ids are unique only within one file
     ]
 )
 
@@ -75,6 +76,7 @@ _CONSUMED = {
     "span_id",
     "parent_id",
     "pid",
+    "file",
 }
 _STEP_DIR = re.compile(r"^(val_)?step_(-?\d+)$")
 _WORKER_FILE = re.compile(r"worker_(-?\d+)")
@@ -128,7 +130,7 @@ def read_logs(path: str | os.PathLike) -> Logs:
     root = Path(path)
     files = _find_files(root)
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        results = list(pool.map(_read_file, files))
+        results = list(pool.map(_read_file, files, range(len(files))))
     tables = [table for table, _, _ in results if table.num_rows]
     logs = Logs(_concat(tables), root, files)
     for file, (_, skipped, slow) in zip(files, results, strict=True):
@@ -139,11 +141,14 @@ def read_logs(path: str | os.PathLike) -> Logs:
 
 
 def _find_files(root: Path) -> list[Path]:
+    """Under a run directory only the step directories hold span logs (a metrics.jsonl next to
+    them is something else); a step directory, or any other, is read whole."""
     if root.is_file():
         return [root]
     if not root.is_dir():
         raise FileNotFoundError(f"no such file or directory: {root}")
-    return sorted(root.rglob("*.jsonl"))
+    steps = [d for d in root.iterdir() if d.is_dir() and _STEP_DIR.match(d.name)]
+    return sorted(f for d in steps or [root] for f in d.rglob("*.jsonl"))
 
 
 def _context(file: Path) -> _Context:
@@ -157,7 +162,7 @@ def _context(file: Path) -> _Context:
     return _Context(step, phase, int(worker.group(1)) if worker else None)
 
 
-def _read_file(file: Path) -> tuple[pa.Table, int, bool]:
+def _read_file(file: Path, index: int = 0) -> tuple[pa.Table, int, bool]:
     """Parse one file: (normalized table, lines skipped, whether it needed the slow path)."""
     data = file.read_bytes()
     data, skipped = _complete_lines(data)
@@ -173,6 +178,7 @@ def _read_file(file: Path) -> tuple[pa.Table, int, bool]:
     if raw is None or raw.num_rows == 0:
         return pa.table({f.name: pa.array([], f.type) for f in CORE}), skipped, slow
     table, dropped = _normalize(_flatten(raw), _context(file))
+    table = table.set_column(CORE.get_field_index("file"), "file", pa.array(np.full(table.num_rows, index)))
     return table, skipped + dropped, slow
 
 
@@ -258,6 +264,7 @@ def _normalize(raw: pa.Table, ctx: _Context) -> tuple[pa.Table, int]:
     }
     for name in ("request_id", "offset", "turn", "span_id", "parent_id", "pid"):
         out[name] = _as(_pick(columns, name), CORE.field(name).type, n)
+    out["file"] = pa.chunked_array([pa.nulls(n, pa.int64())])
     for name, arrays in columns.items():
         if name not in _CONSUMED:
             out[name if name not in out else f"extra.{name}"] = _coalesce(arrays)

@@ -19,6 +19,8 @@ import numpy as np
 import pyarrow as pa
 from matplotlib import colormaps
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator
 
 from skip_plugin_profiling.analysis import QUANTILES, Analysis, Finding, analyze, findings
 from skip_plugin_profiling.logs import Logs
@@ -26,6 +28,7 @@ from skip_plugin_profiling.logs import Logs
 DPI = 100
 FIGURES = ("cdf", "rollout_time", "workers", "slowest_requests", "event_share", "turns", "tail")
 _MAX_EVENT_ROWS = 40
+_OUTLINED = ("request", "turn", "rollout")  # containers: drawn as outlines so their children show
 
 
 @dataclass
@@ -121,7 +124,9 @@ def _fig_cdf(a: Analysis) -> Figure:
         return fig
     steps = sorted(curves)
     colors, labelled = _step_colors(steps), _labelled_steps(a, steps)
-    times = dict(zip(a.completion.table["step"].to_pylist(), a.completion.table["rollout_time"].to_pylist(), strict=True))
+    times = dict(
+        zip(a.completion.table["step"].to_pylist(), a.completion.table["rollout_time"].to_pylist(), strict=True)
+    )
     for step in steps:
         done = curves[step]
         frac = np.arange(1, len(done) + 1) / len(done)
@@ -146,7 +151,8 @@ def _fig_cdf(a: Analysis) -> Figure:
     rel_ax.set_title("Same, as a share of each step's rollout")
     if len(steps) > 6:
         fig.colorbar(_scalar_mappable(steps), ax=rel_ax, label="step")
-    abs_ax.legend(fontsize=8, loc="lower right")
+    if abs_ax.get_legend_handles_labels()[0]:
+        abs_ax.legend(fontsize=8, loc="lower right")
     return fig
 
 
@@ -196,32 +202,57 @@ def _fig_workers(a: Analysis) -> Figure | None:
     busy, wait = w.table["busy"].to_numpy(), w.table["wait"].to_numpy()
     names = [str(i) for i in ids]
     colors = ["tab:red" if i == w.straggler else "tab:blue" for i in ids]
-    bars.bar(names, busy, color=colors, label="busy")
-    bars.bar(names, wait, bottom=busy, color="lightgray", hatch="//", label="barrier wait")
+    bars.bar(names, busy, color=colors)
+    bars.bar(names, wait, bottom=busy, color="lightgray", hatch="//")
+    legend = [
+        Patch(color="tab:blue", label="busy"),
+        Patch(color="tab:red", label=f"busy, straggler (worker {w.straggler})"),
+        Patch(facecolor="lightgray", hatch="//", label="barrier wait"),
+    ]
     bars.set_xlabel("rollout worker")
     bars.set_ylabel("seconds")
-    bars.set_title(f"Step {w.step}: busy + barrier wait (straggler in red)")
-    bars.legend(fontsize=8)
-    for worker, done in w.completions.items():
-        if len(done):
-            strag = worker == w.straggler
-            frac = np.arange(1, len(done) + 1) / len(done)
-            cdf.step(
-                done, frac, where="post", lw=2 if strag else 1, color="tab:red" if strag else None,
-                label=f"worker {worker}" + (" (straggler)" if strag else ""),
-            )  # fmt: skip
-    cdf.set_xlabel("seconds since the step's rollout started")
-    cdf.set_ylabel("share of the worker's requests completed")
-    cdf.set_title(f"Step {w.step}: completion per worker")
-    cdf.legend(fontsize=7, ncol=2 if len(ids) > 8 else 1)
+    bars.set_title(f"Step {w.step}: busy + barrier wait per worker")
+    bars.legend(handles=legend, fontsize=8)
+    _worker_cdf(cdf, w)
     return fig
+
+
+def _worker_cdf(ax, w) -> None:
+    others = [c for i, c in enumerate(colormaps["tab10"].colors) if i != 3]  # 3 is red: the straggler's
+    for n, (worker, done) in enumerate(w.completions.items()):
+        if not len(done):
+            continue
+        strag = worker == w.straggler
+        frac = np.arange(1, len(done) + 1) / len(done)
+        color = "tab:red" if strag else others[n % len(others)]
+        label = f"worker {worker}" + (" (straggler)" if strag else "")
+        ax.step(done, frac, where="post", lw=2 if strag else 1, color=color, label=label)
+    for row in w.table.to_pylist():
+        if row["gap_flagged"]:
+            done = w.completions[row["workid"]]
+            y = (np.searchsorted(done, row["gap_from"], side="right")) / len(done)
+            ax.annotate(
+                "", (row["gap_to"], y), (row["gap_from"], y), arrowprops={"arrowstyle": "<->", "color": "black"}
+            )
+            text = f"worker {row['workid']}: {row['gap']:.0f} s without a completion"
+            ax.text((row["gap_from"] + row["gap_to"]) / 2, y + 0.02, text, ha="center", va="bottom", fontsize=8)
+    ax.set_xlabel("seconds since the step's rollout started")
+    ax.set_ylabel("share of the worker's requests completed")
+    ax.set_title(f"Step {w.step}: completion per worker")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, ncol=2 if len(w.completions) > 8 else 1, loc="lower right")
+    else:
+        _empty(ax, "no requests with a request_id")
 
 
 def _fig_slowest(a: Analysis) -> Figure | None:
     if not a.slowest:
         return None
     rows = []  # (label, events)
+    separators = []
     for r in a.slowest:
+        if rows:
+            separators.append(len(rows) - 0.5)
         by_turn: dict[Any, list] = {}
         for e in r.events:
             by_turn.setdefault(e["turn"] if e["turn"] is not None else 0, []).append(e)
@@ -234,17 +265,19 @@ def _fig_slowest(a: Analysis) -> Figure | None:
     colors = {n: palette(i % 20) for i, n in enumerate(names)}
     for y, (_, events) in enumerate(rows):
         for e in events:
-            container = e["event"] in ("request", "turn", "rollout")
+            container = e["event"] in _OUTLINED
             ax.barh(
                 y, max(e["end"] - e["start"], 1e-3), left=e["start"], height=0.8 if not container else 0.95,
                 color="none" if container else colors[e["event"]], edgecolor=colors[e["event"]], lw=0.8,
             )  # fmt: skip
+    for y in separators:
+        ax.axhline(y, color="gray", lw=0.5)
     ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the request started")
-    ax.set_title("Slowest requests of step {}: events by turn".format(a.slowest[0].step))
-    handles = [ax.barh(0, 0, color=colors[n], label=n) for n in names]
-    ax.legend(handles=handles, fontsize=7, loc="lower right", ncol=2)
+    ax.set_title(f"Slowest requests of step {a.slowest[0].step}: events by turn")
+    handles = [Patch(facecolor="none" if n in _OUTLINED else colors[n], edgecolor=colors[n], label=n) for n in names]
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
 
 
@@ -266,9 +299,12 @@ def _fig_shares(a: Analysis, top: int = 6) -> Figure:
     bars.set_title("Event share, averaged over worker-steps")
     per_step = a.shares.per_step.to_pydict()
     for event in table["event"].to_pylist()[:top]:
-        points = [(s, v) for s, e, v in zip(per_step["step"], per_step["event"], per_step["share"], strict=True) if e == event]
+        points = [
+            (s, v) for s, e, v in zip(per_step["step"], per_step["event"], per_step["share"], strict=True) if e == event
+        ]
         lines.plot([p[0] for p in points], [100 * p[1] for p in points], marker=".", label=event)
     lines.set_xlabel("step")
+    lines.xaxis.set_major_locator(MaxNLocator(integer=True))
     lines.set_ylabel("% of a worker's step")
     lines.set_title(f"Top {min(top, table.num_rows)} events per step")
     lines.legend(fontsize=8)
@@ -283,9 +319,12 @@ def _fig_turns(a: Analysis) -> Figure:
     else:
         data = t.by_turn.to_pydict()
         for turn in sorted(set(data["turn"])):
-            pts = [(s, m) for s, k, m in zip(data["step"], data["turn"], data["mean_generate"], strict=True) if k == turn]
+            pts = [
+                (s, m) for s, k, m in zip(data["step"], data["turn"], data["mean_generate"], strict=True) if k == turn
+            ]
             per_turn.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=f"turn {turn}")
         per_turn.set_xlabel("step")
+        per_turn.xaxis.set_major_locator(MaxNLocator(integer=True))
         per_turn.set_ylabel("mean generate time (s)")
         per_turn.set_title("Engine time per turn index")
         per_turn.legend(fontsize=7)
@@ -414,8 +453,9 @@ def _s_workers(a: Analysis, images) -> _Section | None:
     if w is None:
         return None
     text = [
-        f"Step {w.step} (rollout {w.rollout_time:.1f} s). Straggler: worker {w.straggler}, busy {w.straggler_busy:.1f} s; "
-        f"the others waited {w.mean_wait_others:.1f} s on average, {w.max_wait_others:.1f} s at most.",
+        f"Step {w.step} (rollout {w.rollout_time:.1f} s). Straggler: worker {w.straggler}, "
+        f"busy {w.straggler_busy:.1f} s; the others waited {w.mean_wait_others:.1f} s on average, "
+        f"{w.max_wait_others:.1f} s at most.",
         "A gap is flagged when no request finished for longer than max(10 s, 5× the worker's median gap between "
         "completions, 20% of the rollout).",
     ]
@@ -459,7 +499,9 @@ def _s_turns(a: Analysis, images) -> _Section:
     t = a.turns
     tables = [
         _table("Mean request time by number of turns", t.by_count),
-        _table("Mean generate time by step and turn index", _pivot(t.by_turn, "step", "turn", "mean_generate", "turn ")),
+        _table(
+            "Mean generate time by step and turn index", _pivot(t.by_turn, "step", "turn", "mean_generate", "turn ")
+        ),
         _table("Share of requests by number of turns", _pivot(t.distribution, "step", "turns", "share", "", " turns")),
     ]
     text = ["A request's turns are its `turns` attribute, else its number of generate events."]
@@ -472,7 +514,10 @@ def _s_tail(a: Analysis, images) -> _Section:
     if t.note:
         text.append(f"Response length caps not estimated: {t.note}.")
     text.append("Assumptions: " + "; ".join(t.assumptions) + ".")
-    tables = [_table("Capping max_response_length", t.caps), _table("Oversampling and dropping the slowest", t.oversample)]
+    tables = [
+        _table("Capping max_response_length", t.caps),
+        _table("Oversampling and dropping the slowest", t.oversample),
+    ]
     return _Section("Tail advisor", text, tables, images.get("tail"))
 
 
@@ -514,7 +559,7 @@ def _cell(value: Any, name: str = "") -> str:
             return f"{value:.1f}%"
         if "share" in name:
             return f"{value:.1%}"
-        return f"{value:.2f}" if abs(value) < 100 else f"{value:.1f}"
+        return f"{value:.2f}" if abs(value) < 1e5 else f"{value:.0f}"
     return str(value)
 
 

@@ -29,7 +29,7 @@ from skip_plugin_profiling.logs import Logs
 _CHUNK = 100_000
 #: Rounding slack when nesting spans on one lane, in microseconds.
 _SLACK_US = 100
-_NOT_ARGS = {"workid", "event", "raw_event", "start", "end", "duration", "span_id", "parent_id", "phase"}
+_NOT_ARGS = {"workid", "event", "raw_event", "start", "end", "duration", "span_id", "parent_id", "phase", "file"}
 
 
 def write_trace(logs: Logs | pa.Table, path: str | os.PathLike, steps: list[int] | None = None) -> Path:
@@ -68,7 +68,8 @@ def _lanes(table: pa.Table, workid: np.ndarray, ts: np.ndarray, te: np.ndarray) 
     """(tid per span, {workid: {tid: kind}}): requests on lanes 1.., worker spans on 0, misfits after."""
     request = _request_index(table)
     lane_of_request, lanes = _request_lanes(request, workid, ts, te)
-    wanted = np.where(request >= 0, lane_of_request[np.maximum(request, 0)], 0)
+    wanted = lane_of_request[request] if len(lane_of_request) else np.zeros(len(request), np.int64)
+    wanted[request < 0] = 0
     return _nest(workid, ts, te, wanted, lanes)
 
 
@@ -76,8 +77,10 @@ def _request_index(table: pa.Table) -> np.ndarray:
     ids = pc.fill_null(table["request_id"].combine_chunks().dictionary_encode().indices, -1).to_numpy()
     ids = ids.astype(np.int64)
     step = pc.fill_null(table["step"], 0).to_numpy()
-    phase = pc.fill_null(table["phase"].combine_chunks().dictionary_encode().indices, 0).to_numpy()
-    key = np.where(ids >= 0, (step - step.min()) * 2 * (ids.max() + 1) + phase * (ids.max() + 1) + ids, -1)
+    phases = table["phase"].combine_chunks().dictionary_encode()
+    phase = pc.fill_null(phases.indices, 0).to_numpy().astype(np.int64)
+    n_ids, n_phases = int(ids.max()) + 1, max(len(phases.dictionary), 1)
+    key = np.where(ids >= 0, ((step - step.min()) * n_phases + phase) * n_ids + ids, -1)
     index = np.full(len(key), -1, np.int64)
     has = key >= 0
     index[has] = np.unique(key[has], return_inverse=True)[1]
@@ -224,8 +227,9 @@ def _args(table: pa.Table) -> pa.Array:
         if name in _NOT_ARGS:
             continue
         value = _json_values(table[name])
-        if value is not None:
-            fragments.append(pc.binary_join_element_wise(json.dumps(name) + ":", value, ""))
+        if value is not None:  # the OS pid would read as the trace's pid: rename it
+            key = "os_pid" if name == "pid" else name
+            fragments.append(pc.binary_join_element_wise(json.dumps(key) + ":", value, ""))
     if not fragments:
         return pa.array([""] * table.num_rows)
     return pc.binary_join_element_wise(*fragments, ",", null_handling="skip")
