@@ -1,4 +1,5 @@
-# `make demo`: README command #1 -- install, train the embedded default, train again from the cache.
+# `make demo`: README command #1 -- install, train the embedded default (profiled), report on the
+# profile, train again from the cache.
 # `make test`: README command #2 -- what CI runs.
 PY ?= python3
 VENV := .venv
@@ -9,13 +10,15 @@ DEMO := runs/demo
 
 install:
 	$(PY) -m venv $(VENV)
-	$(VENV)/bin/pip install -q -c constraints.txt -e core -e plugins/rollout -e plugins/async_rollout -e plugins/hf
+	$(VENV)/bin/pip install -q -c constraints.txt -e core -e plugins/rollout -e plugins/async_rollout -e plugins/hf -e plugins/profiling
 
 # Both runs share the cache namespace (project and experiment names), so the second one loads
 # every step's rollout the first one dumped; each has its own run directory for the comparison.
 demo: install
 	rm -rf $(DEMO)
-	$(SKIP) run skip.rollout.enable=true skip.rollout.dump_dir=$(DEMO)/cache trainer.default_local_dir=$(DEMO)/generated
+	$(SKIP) run skip.rollout.enable=true skip.rollout.dump_dir=$(DEMO)/cache trainer.default_local_dir=$(DEMO)/generated \
+		profiling.enable=true
+	$(SKIP) profile report $(DEMO)/generated/profile
 	$(SKIP) run skip.rollout.enable=true skip.rollout.dump_dir=$(DEMO)/cache trainer.default_local_dir=$(DEMO)/replayed
 
 test:

@@ -74,11 +74,6 @@ class ArticleLogger:
             handle.close()
 
 
-def attach(recorder: Recorder) -> None:
-    spans._sinks.append(recorder)
-    spans._enders.append(recorder.end)
-
-
 def variants(root: Path) -> tuple[dict[str, Callable[[int], float]], Callable[[], None]]:
     """Each variant runs ``n`` events and returns the seconds they took."""
     article = ArticleLogger()
@@ -102,7 +97,7 @@ def variants(root: Path) -> tuple[dict[str, Callable[[int], float]], Callable[[]
     def in_request(body: Callable[[int], float]) -> Callable[[int], float]:
         def run(n: int) -> float:
             spans.close()
-            attach(recorder)
+            spans.attach(recorder)
             with spans.span("request", step=1, request_id=request_id):
                 seconds = body(n)
             recorder._queue.clear()
@@ -163,7 +158,7 @@ def background(root: Path, n: int) -> float:
     """Seconds per event the writer thread spends turning queued spans into lines on disk."""
     recorder = Recorder(root / "background", worker=0, flush_interval_s=3600)
     spans.close()
-    attach(recorder)
+    spans.attach(recorder)
     with spans.span("request", step=1, request_id="651c26c88e53421585d6855ed2144658"):
         for _ in range(n):
             with spans.span("generate", tokens_in=120) as span:
@@ -181,7 +176,7 @@ def end_to_end(root: Path, n: int, skip: bool) -> float:
     if skip:
         recorder = Recorder(root / "e2e", worker=0)
         spans.close()
-        attach(recorder)
+        spans.attach(recorder)
         with spans.span("request", step=1, request_id="651c26c88e53421585d6855ed2144658"):
             for _ in range(n):
                 with spans.span("generate", tokens_in=120):

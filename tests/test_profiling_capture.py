@@ -131,7 +131,7 @@ def test_a_training_run_profiles_the_driver_and_every_rollout_worker(ray_session
 
 def test_threads_and_tasks_write_every_span_with_their_own_context(tmp_path):
     recorder = Recorder(tmp_path, worker=3, flush_interval_s=0.01)
-    spans._sinks.append(recorder), spans._enders.append(recorder.end)
+    spans.attach(recorder)
 
     def thread_work(name: str) -> None:
         for i in range(500):
@@ -175,7 +175,7 @@ CHILD = textwrap.dedent(
     from skip_plugin_profiling.recorder import Recorder
 
     recorder = Recorder(sys.argv[1], worker=0, flush_interval_s=float(sys.argv[2]))
-    spans._sinks.append(recorder), spans._enders.append(recorder.end)
+    spans.attach(recorder)
     for i in range(int(sys.argv[3])):
         with spans.span("generate", step=1, index=i):
             time.sleep(0.0005)
@@ -224,7 +224,7 @@ def test_a_failing_write_warns_and_the_work_goes_on(tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
     recorder = Recorder(blocker, worker=0, flush_interval_s=60)
-    spans._sinks.append(recorder), spans._enders.append(recorder.end)
+    spans.attach(recorder)
     with spans.span("generate", step=1):
         pass
     with pytest.warns(ProfilingWarning, match="training goes on"):
@@ -237,7 +237,7 @@ def test_a_failing_write_warns_and_the_work_goes_on(tmp_path):
 
 def test_only_the_configured_steps_are_recorded(tmp_path):
     recorder = Recorder(tmp_path, worker=0, steps=[2], flush_interval_s=60)
-    spans._sinks.append(recorder), spans._enders.append(recorder.end)
+    spans.attach(recorder)
     for step in (1, 2, 3):
         with spans.span("trainer/step", step=step), spans.span("generate"):
             pass
@@ -289,7 +289,7 @@ def test_tool_calls_and_tool_rewards_nest_in_their_turns_and_requests(tiny_model
     script = {0: call("12 * 34"), 1: call("408 + 1"), 2: "Answer: 409"}
     loop = make_loop(tokenizer, ScriptedBackend(tokenizer, lambda q, turn: script[turn]), n=2)
     recorder = Recorder(tmp_path, worker=0, flush_interval_s=60)
-    spans._sinks.append(recorder), spans._enders.append(recorder.end)
+    spans.attach(recorder)
     try:
         loop.generate_sequences(prompts(tokenizer, ["What is 12 * 34 + 1?"] * 3, global_steps=4))
     finally:

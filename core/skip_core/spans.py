@@ -18,8 +18,10 @@ from __future__ import annotations
 import atexit
 import contextvars
 import itertools
+import threading
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any, Protocol
 
 _now = time.time
@@ -36,11 +38,10 @@ class Span:
     path: opening a span only links it to its parent).
     """
 
-    __slots__ = ("_context", "_token", "attrs", "end", "name", "parent", "span_id", "start")
+    __slots__ = ("_context", "_id", "_token", "attrs", "end", "name", "parent", "start")
 
-    def __init__(self, name: str, parent: Span | None, attrs: dict[str, Any]) -> None:
-        self.name, self.parent, self.attrs, self._context = name, parent, attrs, None
-        self.span_id = next(_ids)
+    def __init__(self, name: str, **attrs: Any) -> None:
+        self.name, self.attrs, self.parent = name, attrs, _current.get()
 
     def set(self, **attrs: Any) -> None:
         """Add attributes known only once the work ran (tokens out, finish reason, cache hit)."""
@@ -57,11 +58,18 @@ class Span:
     def __exit__(self, *exc: Any) -> None:
         self.end = _now()
         _current.reset(self._token)
+        _emit(self)
+
+    @property
+    def span_id(self) -> int:
+        """Unique in this process; drawn when first read, by a sink, not when the span opens."""
         try:
-            for end in _enders:
-                end(self)
-        except Exception as error:  # a profiler must never fail the work it measures
-            _drop(end, error)
+            return self._id
+        except AttributeError:
+            with _id_lock:  # two sinks' threads may ask first at once: both must get one id
+                if not hasattr(self, "_id"):
+                    self._id = next(_ids)
+            return self._id
 
     @property
     def parent_id(self) -> int:
@@ -69,11 +77,13 @@ class Span:
 
     def context(self) -> dict[str, Any]:
         """The ``CONTEXT`` attributes in force for this span: its own over its ancestors'."""
-        if self._context is None:
+        try:
+            return self._context
+        except AttributeError:
             inherited = {} if self.parent is None else self.parent.context()
             own = {key: self.attrs[key] for key in CONTEXT if key in self.attrs}
             self._context = {**inherited, **own} if own else inherited
-        return self._context
+            return self._context
 
 
 class _NoSpan:
@@ -105,23 +115,28 @@ class SpanSink(Protocol):
 _NO_SPAN = _NoSpan()
 _current: contextvars.ContextVar[Span | None] = contextvars.ContextVar("skip_span", default=None)
 _ids = itertools.count(1)
+_id_lock = threading.Lock()
 _sinks: list[SpanSink] = []
 _enders: list = []
 _starters: list = []
 
 
-def span(name: str, **attrs: Any) -> Span | _NoSpan:
-    """A context manager timing ``name`` with ``attrs``; see ``CONTEXT`` for those inherited."""
-    if not _enders:
-        return _NO_SPAN
-    return Span(name, _current.get(), attrs)
+def _no_span(name: str, **attrs: Any) -> _NoSpan:
+    return _NO_SPAN
+
+
+# ``span(name, **attrs)``: a context manager timing ``name``; attributes named in ``CONTEXT``
+# are inherited by the spans inside it. It is ``Span`` itself while a sink listens and a
+# function returning a shared no-op otherwise: rebinding the name saves a call per span, so
+# call it as ``spans.span(...)``, never ``from skip_core.spans import span``.
+span: Callable[..., Span | _NoSpan] = _no_span
 
 
 def record(name: str, start: float, end: float, **attrs: Any) -> None:
     """Emit a span measured apart (a barrier wait known only once every worker is back)."""
     if not _enders:
         return
-    done = Span(name, _current.get(), attrs)
+    done = Span(name, **attrs)
     done.start, done.end = start, end
     _emit(done)
 
@@ -142,6 +157,7 @@ def _drop(end: Any, exc: Exception) -> None:
     warnings.warn(f"skip: span sink {end!r} failed and is switched off: {exc!r}", RuntimeWarning, stacklevel=3)
     if end in _enders:
         _enders.remove(end)
+    _rebind()
 
 
 def configure(config: Any, worker: int) -> list[SpanSink]:
@@ -155,10 +171,23 @@ def configure(config: Any, worker: int) -> list[SpanSink]:
         raise ConfigError(
             "profiling.enable is true but no installed plugin records spans: pip install skip-plugin-profiling"
         )
-    _sinks.extend(sinks)
-    _enders.extend(s.end for s in sinks)
-    _starters.extend(s.start for s in sinks if callable(getattr(s, "start", None)))
+    for sink in sinks:
+        attach(sink)
     return sinks
+
+
+def attach(sink: SpanSink) -> None:
+    """Send every span of this process to ``sink`` from now on (``configure`` does it for plugins)."""
+    _sinks.append(sink)
+    _enders.append(sink.end)
+    if callable(getattr(sink, "start", None)):
+        _starters.append(sink.start)
+    _rebind()
+
+
+def _rebind() -> None:
+    global span
+    span = Span if _enders else _no_span
 
 
 def flush() -> None:
@@ -171,6 +200,7 @@ def close() -> None:
     """Flush and detach every sink; spans are no-ops afterwards until ``configure``."""
     sinks = list(_sinks)
     _sinks.clear(), _enders.clear(), _starters.clear()
+    _rebind()
     for sink in sinks:
         _quietly(sink.close)
 
