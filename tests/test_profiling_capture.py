@@ -21,16 +21,9 @@ from skip_core.cli import _compose, cli
 from skip_core.config import ConfigError
 from skip_core.store import scan
 from skip_plugin_profiling.recorder import ProfilingWarning, Recorder
+from test_rollout import SMALL  # the small embedded task every rollout test uses
 
 CONFIGS = Path(__file__).parent.parent / "configs"
-SMALL = [
-    "task.train_size=64",
-    "task.val_size=8",
-    "task.warmup_steps=5",
-    "data.train_batch_size=4",
-    "rollout.n=2",
-    "data.max_response_length=64",
-]
 
 
 @pytest.fixture(autouse=True)
