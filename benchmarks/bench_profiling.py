@@ -131,12 +131,7 @@ def variants(root: Path) -> tuple[dict[str, Callable[[int], float]], Callable[[]
 
     def run_off(n: int) -> float:
         spans.close()
-        span = spans.span
-        start = time.perf_counter()
-        for _ in range(n):
-            with span("generate", tokens_in=120):
-                pass
-        return time.perf_counter() - start
+        return run_span(n)
 
     table = {
         "article": run_article,
