@@ -1,7 +1,10 @@
+import threading
+
 import numpy as np
 import pytest
 import torch
-from skip_core import Batch, SkipManager
+from skip_core import Batch, SkipManager, hookimpl
+from skip_core.plugins import load_plugins
 
 
 @pytest.fixture(autouse=True)
@@ -58,6 +61,49 @@ class Generator:
 @pytest.fixture
 def generator() -> Generator:
     return Generator()
+
+
+class HeldDumps:
+    """Holds the dumps of chosen steps until released: a disk slower than any timing could make it.
+
+    Registered first, it runs before core's dump; ``fail`` makes the held dumps raise once released.
+    """
+
+    def __init__(self, steps, fail: bool = False) -> None:
+        self.gates = {step: threading.Event() for step in steps}
+        self.fail = fail
+
+    def release(self, step: int) -> None:
+        self.gates[step].set()
+
+    @hookimpl(tryfirst=True)
+    def skip_dump(self, step):
+        gate = self.gates.get(step)
+        if gate is None:
+            return
+        gate.wait(timeout=60)
+        if self.fail:
+            raise OSError(f"step {step}: no space left on device")
+
+
+@pytest.fixture
+def held_dumps():
+    """``held_dumps(steps, fail=False)`` registers a ``HeldDumps`` for this test; all are released at the end."""
+    pm = load_plugins()
+    made = []
+
+    def hold(steps, fail: bool = False) -> HeldDumps:
+        made.append(HeldDumps(steps, fail))
+        pm.register(made[-1])
+        return made[-1]
+
+    yield hold
+    for held in made:
+        for gate in held.gates.values():
+            gate.set()
+    SkipManager.flush()
+    for held in made:
+        pm.unregister(held)
 
 
 @pytest.fixture(scope="session")

@@ -74,27 +74,39 @@ def test_trainer_step_does_not_drive_the_async_role(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_thousand_concurrent_samples_each_resolve_load_and_dump_their_own_step(tmp_path):
-    count = 1000
+def test_a_thousand_concurrent_samples_each_resolve_load_and_dump_their_own_step(tmp_path, held_dumps):
+    count, held_sample = 1000, 8
     eligible = set(range(0, count, 2))
+    held = held_dumps([held_sample])  # one sample's dump stays pending throughout
     SkipManager.init(run_config(tmp_path, role="async_rollout", steps=sorted(eligible)))
 
-    async def feed(rollouter):
-        calls = [rollouter.generate_sequences_single(sample(i), f"sample_0_{i}") for i in range(count)]
-        return await asyncio.gather(*calls)
+    async def feed(rollouter, indices):
+        return await asyncio.gather(*(rollouter.generate_sequences_single(sample(i), f"sample_0_{i}") for i in indices))
 
     first = StreamingRollouter()
-    outputs = asyncio.run(feed(first))
-    SkipManager.flush()
+    outputs = asyncio.run(feed(first, range(count)))
     assert sorted(first.ran) == list(range(count))
-    assert sorted(int(p.name) for p in scan(tmp_path)) == sorted(eligible)
 
+    # No flush: each replayed sample waits for its own dump at most, never for the held one.
+    others = [i for i in range(count) if i != held_sample]
     second = StreamingRollouter()
-    replayed = asyncio.run(feed(second))
-    assert sorted(second.ran) == sorted(set(range(count)) - eligible)
-    for i, (a, b) in enumerate(zip(outputs, replayed, strict=True)):
-        assert int(b.batch["responses"][0, 0]) == i
-        assert a.equals(b)
+    replayed = asyncio.run(feed(second, others))
+    assert sorted(second.ran) == sorted(set(others) - eligible)
+    for i, out in zip(others, replayed, strict=True):
+        assert int(out.batch["responses"][0, 0]) == i
+        assert out.equals(outputs[i])
+
+    async def held_then_released():
+        call = asyncio.create_task(second.generate_sequences_single(sample(held_sample), f"sample_0_{held_sample}"))
+        await asyncio.sleep(0.5)
+        assert not call.done()  # waiting on its own pending dump
+        held.release(held_sample)
+        return await call
+
+    assert asyncio.run(held_then_released()).equals(outputs[held_sample])
+    assert held_sample not in second.ran
+    SkipManager.flush()
+    assert sorted(int(p.name) for p in scan(tmp_path)) == sorted(eligible)
 
 
 def test_threads_resolving_online_steps_never_see_each_others_step(tmp_path):

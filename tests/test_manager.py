@@ -5,12 +5,14 @@ import subprocess
 import sys
 import threading
 import warnings
+from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import Generator, make_prompts, run_config
 from omegaconf import OmegaConf
-from skip_core import SkipManager, encoding
+from skip_core import Batch, SkipManager, encoding
 from skip_core.caching import PromptMismatchError, PromptMismatchWarning
 from skip_core.store import CacheWarning, file_digest, scan, verify
 
@@ -109,6 +111,80 @@ def test_repeat_skips_a_corrupt_candidate(tmp_path):
         (result,) = run_steps(consumer, [4])
     assert consumer.calls == 0
     assert result.equals(one)
+
+
+def large_rollout(calls: list) -> Callable:
+    """A rollout whose 64 MiB result (4096 x 4096 float32) is still being dumped when the next call comes."""
+
+    @SkipManager.annotate(role="rollout")
+    def generate_sequences(prompts):
+        calls.append(len(calls) + 1)
+        return Batch.from_dict({"responses": torch.rand(4096, 4096)}, meta_info={"call": len(calls)})
+
+    return generate_sequences
+
+
+def test_repeat_reuses_step_one_while_its_dump_is_still_running(tmp_path):
+    """verl: an empty cache, repeat on steps 1-4 generates step 1 and repeats it on steps 2-4."""
+    calls = []
+    generate = large_rollout(calls)
+    SkipManager.init(run_config(tmp_path, steps=[1, 2, 3, 4], action="repeat"))
+    outputs = run_steps(SimpleNamespace(generate_sequences=generate), [1, 2, 3, 4])
+    assert calls == [1]
+    assert all(out.equals(outputs[0]) for out in outputs[1:])
+    assert steps_on_disk(tmp_path) == [1]
+
+
+def test_cache_runs_a_step_called_twice_in_a_row_once(tmp_path):
+    calls = []
+    generate = large_rollout(calls)
+    SkipManager.init(run_config(tmp_path, steps=[1]))
+    first, second = run_steps(SimpleNamespace(generate_sequences=generate), [1, 1])
+    assert calls == [1]
+    assert second.equals(first)
+    assert steps_on_disk(tmp_path) == [1]
+
+
+def call_in_thread(fn, *args) -> tuple[threading.Thread, dict]:
+    out = {}
+    thread = threading.Thread(target=lambda: out.setdefault("result", fn(*args)))
+    thread.start()
+    return thread, out
+
+
+def test_a_lookup_waits_for_the_pending_dump_of_its_own_entry_only(tmp_path, generator, held_dumps):
+    held = held_dumps([1])
+    SkipManager.init(run_config(tmp_path, steps=[1, 2]))
+    SkipManager.set_step(1)
+    first = generator.generate_sequences(make_prompts())  # its dump is held
+    SkipManager.set_step(2)
+    generator.generate_sequences(make_prompts())  # another entry: returns without waiting
+    SkipManager.set_step(1)
+    thread, out = call_in_thread(generator.generate_sequences, make_prompts())
+    thread.join(0.5)
+    assert thread.is_alive() and generator.calls == 2  # waiting for step 1's dump, not running
+
+    held.release(1)
+    thread.join(30)
+    assert generator.calls == 2
+    assert out["result"].equals(first)
+
+
+def test_a_pending_dump_that_fails_is_a_miss(tmp_path, generator, held_dumps):
+    held = held_dumps([1], fail=True)
+    SkipManager.init(run_config(tmp_path, steps=[1]))
+    SkipManager.set_step(1)
+    with pytest.warns(CacheWarning, match="dump failed.*no space left"):
+        generator.generate_sequences(make_prompts())
+        thread, out = call_in_thread(generator.generate_sequences, make_prompts())
+        thread.join(0.5)
+        assert thread.is_alive()
+        held.release(1)
+        thread.join(30)
+        SkipManager.flush()
+    assert generator.calls == 2
+    assert out["result"].meta_info["generated_by_call"] == 2
+    assert steps_on_disk(tmp_path) == []
 
 
 def test_validation_calls_never_load_or_dump(tmp_path, generator):
@@ -284,7 +360,8 @@ def test_reinit_deactivates_roles_dropped_from_config(tmp_path, generator):
 
 
 def test_threads_dumping_one_step_leave_one_valid_entry(tmp_path):
-    SkipManager.init(run_config(tmp_path, steps=[1]))
+    # regenerate: a thread that finds another's entry (pending or written) still runs on its own inputs
+    SkipManager.init(run_config(tmp_path, steps=[1], on_prompt_mismatch="regenerate"))
     SkipManager.set_step(1)
     generator = Generator()
     results = {}

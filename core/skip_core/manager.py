@@ -36,7 +36,7 @@ from skip_core.config import (
 )
 from skip_core.plugins import pm, registry
 from skip_core.roles import Call, Role, prompts_of, prompts_position
-from skip_core.store import CacheStore, CacheWarning
+from skip_core.store import CacheStore, CacheWarning, PendingWrite
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -107,7 +107,9 @@ class _Slot:
     def dump(self, plan: tuple[int, Call], result: Any) -> None:
         step, call = plan
         kwargs = dict(role=self.role, config=self.config, store=self.store, step=step, call=call, result=result)
-        _dumps.submit(self.name, step, functools.partial(pm.hook.skip_dump, **kwargs))
+        # Announced before the call returns, so the next lookup of this entry waits for it.
+        write = self.store.expect(step)
+        _dumps.submit(self.name, step, functools.partial(pm.hook.skip_dump, **kwargs), write)
 
 
 class _Dumps:
@@ -118,13 +120,18 @@ class _Dumps:
         self._pending: set[Future] = set()
         self._executor: ThreadPoolExecutor | None = None
 
-    def submit(self, role: str, step: int, work: Callable[[], Any]) -> None:
+    def submit(self, role: str, step: int, work: Callable[[], Any], write: PendingWrite) -> None:
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="skip-dump")
                 atexit.register(self.flush)
             # In the caller's context, so the dump's span lands in the step that produced it.
-            future = self._executor.submit(contextvars.copy_context().run, _warn_on_failure, role, step, work)
+            try:
+                future = self._executor.submit(contextvars.copy_context().run, _dump, role, step, work, write)
+            except RuntimeError as exc:  # the interpreter is shutting down
+                write.settle(False)
+                warnings.warn(f"skip.{role} step {step}: dump not started: {exc!r}", CacheWarning, stacklevel=3)
+                return
             self._pending.add(future)
         future.add_done_callback(self._done)
 
@@ -138,12 +145,17 @@ class _Dumps:
         wait(pending)
 
 
-def _warn_on_failure(role: str, step: int, work: Callable[[], Any]) -> None:
+def _dump(role: str, step: int, work: Callable[[], Any], write: PendingWrite) -> None:
+    """Run one dump; a failure is a warning, and a miss for the lookups waiting on ``write``."""
+    ok = False
     try:
         with spans.span("skip_dump", role=role):
             work()
+        ok = True
     except Exception as exc:
         warnings.warn(f"skip.{role} step {step}: dump failed, training continues: {exc!r}", CacheWarning, stacklevel=1)
+    finally:
+        write.settle(ok)
 
 
 _dumps = _Dumps()

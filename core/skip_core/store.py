@@ -74,8 +74,71 @@ def safe_name(text: str) -> str:
     return re.sub(r"^\.+", lambda m: "_" * len(m.group()), name) or "_"
 
 
+class PendingWrite:
+    """An entry this process has started writing; lookups of it wait until it is settled."""
+
+    __slots__ = ("_done", "_key", "ok")
+
+    def __init__(self, key: tuple[Path, int]) -> None:
+        self._key = key
+        self._done = threading.Event()
+        self.ok = False
+
+    def settle(self, ok: bool) -> None:
+        """Record the outcome and release the waiting lookups; call exactly once."""
+        self.ok = ok
+        _pending.remove(self._key, self)
+        self._done.set()
+
+    def wait(self) -> bool:
+        self._done.wait()
+        return self.ok
+
+
+class _PendingWrites:
+    """Process-wide, keyed by (namespace directory, step): every store of a directory sees them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._writes: dict[tuple[Path, int], list[PendingWrite]] = {}
+
+    def add(self, key: tuple[Path, int]) -> PendingWrite:
+        write = PendingWrite(key)
+        with self._lock:
+            self._writes.setdefault(key, []).append(write)
+        return write
+
+    def remove(self, key: tuple[Path, int], write: PendingWrite) -> None:
+        with self._lock:
+            writes = self._writes.get(key, [])
+            if write in writes:
+                writes.remove(write)
+            if not writes:
+                self._writes.pop(key, None)
+
+    def wait(self, key: tuple[Path, int]) -> bool | None:
+        """Wait for the writes of ``key`` started so far: ``None`` if there were none, else the newest's outcome."""
+        with self._lock:
+            writes = list(self._writes.get(key, ()))
+        outcomes = [write.wait() for write in writes]
+        return outcomes[-1] if outcomes else None
+
+    def steps(self, directory: Path) -> set[int]:
+        with self._lock:
+            return {step for where, step in self._writes if where == directory}
+
+
+_pending = _PendingWrites()
+
+
 class CacheStore:
-    """The step directories of one role in one run namespace."""
+    """The step directories of one role in one run namespace.
+
+    A dump runs in the background after its call returned, so the next call may look up an
+    entry that is still being written. ``expect(step)`` announces such a write before it
+    starts; lookups of that entry then wait for it (and only for it), so this process sees
+    its own dumps exactly as if they had been written synchronously, as verl writes them.
+    """
 
     def __init__(self, root: str | os.PathLike, namespace: Namespace, role: str) -> None:
         self.root = Path(root).expanduser().absolute()
@@ -93,19 +156,29 @@ class CacheStore:
         with tempfile.NamedTemporaryFile(dir=self.directory, prefix=".tmp-probe-"):
             pass
 
+    def expect(self, step: int) -> PendingWrite:
+        """Announce that this process is writing the entry of ``step``; settle the result when done."""
+        return _pending.add((self.directory, int(step)))
+
     def steps(self) -> list[int]:
-        """Steps that have a directory, valid or not."""
+        """Steps that have a directory, valid or not, or a write of this process under way."""
+        pending = _pending.steps(self.directory)
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:
-            return []
+            names = []
         except OSError as exc:
             warnings.warn(f"skip: cannot list cache directory {self.directory}: {exc}", CacheWarning, stacklevel=2)
-            return []
-        return sorted(int(n) for n in names if n.isdigit())
+            names = []
+        return sorted(pending.union(int(n) for n in names if n.isdigit()))
 
     def entry(self, step: int) -> Entry | None:
-        """The verified entry of ``step``; a warning and ``None`` if it is present but bad."""
+        """The verified entry of ``step``; a warning and ``None`` if it is present but bad.
+
+        A write of this entry under way in this process is waited for; if it failed, this is a miss.
+        """
+        if _pending.wait((self.directory, int(step))) is False:
+            return None
         path = self.path(step)
         if not path.exists():
             return None
