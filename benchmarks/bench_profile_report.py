@@ -112,7 +112,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=2)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(dir=".") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-profile-") as tmp:
         root = Path(tmp)
         start = time.perf_counter()
         written = write_logs(root / "profile", args.events, args.steps, args.workers)

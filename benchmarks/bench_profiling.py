@@ -192,7 +192,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--number", type=int, default=100_000)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(dir=".") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-profile-") as tmp:
         root = Path(tmp)
         table, close = variants(root)
         times: dict[str, list[float]] = {name: [] for name in table}

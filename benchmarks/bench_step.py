@@ -1,6 +1,6 @@
 """Per-phase step time of `skip run` on the embedded default, without and with a rollout cache hit.
 
-Runs the main job twice in one invocation, in a fresh directory: first generating and dumping
+Runs the main job twice in one invocation, in a temporary directory: first generating and dumping
 every step's rollout, then the same run replaying them from the skip cache. Prints the mean
 seconds per phase over the steps of each run and the share of `gen` in the step.
 
@@ -23,9 +23,10 @@ CONFIGS = Path(__file__).parent.parent / "configs"
 PHASES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "step")
 
 
-def train(directory: Path, steps: int, extra: list[str]) -> list[dict]:
+def train(directory: Path, task_dir: Path, steps: int, extra: list[str]) -> list[dict]:
     skip = Path(sys.executable).parent / "skip"
     overrides = [
+        f"task.dir={task_dir}",
         f"trainer.total_training_steps={steps}",
         f"trainer.default_local_dir={directory / 'run'}",
         f"skip.rollout.dump_dir={directory / 'cache'}",
@@ -49,11 +50,15 @@ def means(rows: list[dict]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument(
+        "--task-dir", type=Path, default=None, help="a built embedded default to reuse (default: build one in a temp dir)"
+    )
     parser.add_argument("overrides", nargs="*", help="extra `skip run` overrides, e.g. rollout.n=8")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        generated = means(train(Path(tmp), args.steps, args.overrides))
-        replayed = means(train(Path(tmp), args.steps, args.overrides))
+    with tempfile.TemporaryDirectory(prefix="bench-step-") as tmp:
+        task_dir = (args.task_dir or Path(tmp) / "embedded").absolute()
+        generated = means(train(Path(tmp), task_dir, args.steps, args.overrides))
+        replayed = means(train(Path(tmp), task_dir, args.steps, args.overrides))
     table = Table(title=f"skip run, mean seconds per step over {args.steps} steps")
     for column in ("phase", "generated", "cache hit", "ratio"):
         table.add_column(column, justify="right")

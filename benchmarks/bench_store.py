@@ -221,12 +221,12 @@ def report(title: str, times: dict[str, list[float]], nbytes: int, baseline: str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=7, help="rounds of every variant (default 7)")
-    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir in the cwd)")
+    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: the system temp dir; TMPDIR picks another disk)")
     parser.add_argument("--no-cold", action="store_true", help="skip cold-cache loads even where possible")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    base = Path(tempfile.mkdtemp(prefix="bench-store-", dir=args.dir or Path.cwd()))
+    base = Path(tempfile.mkdtemp(prefix="bench-store-", dir=args.dir))
     try:
         run(base, args.repeat, args.seed, cold=not args.no_cold)
     finally:

@@ -1,10 +1,50 @@
+import subprocess
+import tempfile
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from hypothesis.configuration import set_hypothesis_home_dir
 from skip_core import Batch, SkipManager, hookimpl
 from skip_core.plugins import load_plugins
+
+ROOT = Path(__file__).resolve().parent.parent
+# Python's and pytest's own caches; everything else a test writes belongs in a temporary directory.
+TOOL_CACHES = ("__pycache__/", ".pytest_cache/")
+_TREE = pytest.StashKey[set]()
+
+# hypothesis keeps its example database and constants cache in ./.hypothesis: give it a temporary home.
+_HYPOTHESIS_HOME = tempfile.TemporaryDirectory(prefix="skip-tests-hypothesis-")
+set_hypothesis_home_dir(_HYPOTHESIS_HOME.name)
+
+
+def _tree_files() -> set[str] | None:
+    """Untracked and ignored files of the checkout (the venv aside), or ``None`` outside a git checkout."""
+    command = ["git", "status", "--porcelain", "--ignored", "--untracked-files=all", "--", ".", ":!.venv*"]
+    try:
+        out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return {line[3:] for line in out.splitlines() if not any(cache in line for cache in TOOL_CACHES)}
+
+
+def pytest_sessionstart(session):
+    session.config.stash[_TREE] = _tree_files()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run if the suite left files in the checkout: tests write only under temporary directories."""
+    before = session.config.stash.get(_TREE, None)
+    after = _tree_files() if before is not None else None
+    stray = sorted(after - before) if after is not None else []
+    if stray:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        listing = "\n  ".join(stray[:20]) + (f"\n  ... and {len(stray) - 20} more" if len(stray) > 20 else "")
+        reporter.ensure_newline()
+        reporter.write_line(f"ERROR: the test suite left files in the checkout:\n  {listing}", red=True, bold=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(autouse=True)

@@ -185,7 +185,7 @@ def fail_publishing(monkeypatch):
     def publish(tmp, final):
         raise OSError("rename failed")
 
-    monkeypatch.setattr(checkpoint.store, "publish", publish)
+    monkeypatch.setattr(checkpoint.files, "publish", publish)
     return OSError, {}
 
 

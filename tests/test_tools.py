@@ -6,7 +6,9 @@ from hypothesis import strategies as st
 from skip_core.backend import KNOWN_BACKENDS, backend_factory
 from skip_core.calculator import Calculator, CalculatorError, evaluate
 from skip_core.config import ConfigError
-from skip_core.tools import HermesParser, ToolCall, load_tools, tool_parser
+from skip_core.hookspecs import hookimpl
+from skip_core.plugins import load_plugins
+from skip_core.tools import HermesParser, Tool, ToolCall, ToolResponse, load_tools, tool_parser
 
 
 @pytest.mark.parametrize(
@@ -93,7 +95,51 @@ def test_tools_yaml_builds_registered_tools_with_schema_override(tmp_path):
     tools = load_tools(path)
     assert list(tools) == ["calc"]
     assert isinstance(tools["calc"], Calculator) and tools["calc"].config == {"precision": 3}
+    assert Calculator.schema["function"]["name"] == "calculator"  # replaced on the instance only
     assert load_tools(None) == {}
+
+
+ECHO_SCHEMA = {"type": "function", "function": {"name": "echo", "description": "repeat the text"}}
+
+
+class Echo(Tool):
+    schema = ECHO_SCHEMA
+
+    async def execute(self, request_id, arguments, **_):
+        return ToolResponse(self.config["prefix"] + arguments["text"])
+
+
+class EchoPlugin:
+    """A third-party tool written to the hookspec's documented contract: ``factory(config) -> Tool``."""
+
+    @hookimpl
+    def skip_register_tools(self, register):
+        register("echo", lambda config: Echo(config))
+        register("broken", lambda config: "not a tool")
+
+
+@pytest.fixture
+def echo_plugin():
+    pm = load_plugins()
+    plugin = EchoPlugin()
+    pm.register(plugin)
+    yield
+    pm.unregister(plugin)
+
+
+def test_a_tool_factory_written_to_the_documented_signature_works(tmp_path, echo_plugin):
+    path = tmp_path / "tools.yaml"
+    path.write_text("tools:\n  - name: echo\n    config: {prefix: '> '}\n")
+    tools = load_tools(path)
+    assert tools["echo"].schema == Echo.schema
+    assert asyncio.run(tools["echo"].execute("r", {"text": "hi"})).text == "> hi"
+
+
+def test_a_tool_factory_returning_something_else_names_the_tool(tmp_path, echo_plugin):
+    path = tmp_path / "tools.yaml"
+    path.write_text("tools:\n  - name: broken\n")
+    with pytest.raises(ConfigError, match=r"factory of tool 'broken' returned str, not a skip_core.tools.Tool"):
+        load_tools(path)
 
 
 @pytest.mark.parametrize(

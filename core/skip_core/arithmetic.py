@@ -23,15 +23,14 @@ Assets are built only when missing: after changing an option, delete the task di
 from __future__ import annotations
 
 import operator
-import os
 import random
 import re
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from skip_core.config import ConfigError
+from skip_core.files import replacing
 from skip_core.hookspecs import hookimpl
 from skip_core.tasks import Task, TaskAssets
 
@@ -141,14 +140,8 @@ def write_parquet(table_rows: list[Mapping[str, Any]], path: Path) -> None:
     import pyarrow.parquet as pq
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with replacing(path) as tmp:
         pq.write_table(pa.Table.from_pylist(list(table_rows)), tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class ArithmeticTask(Task):

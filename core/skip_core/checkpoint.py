@@ -29,7 +29,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from skip_core import encoding, store
+from skip_core import encoding, files, store
 
 FORMAT = "skip-checkpoint"
 VERSION = 1
@@ -103,8 +103,8 @@ class CheckpointManager:
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=self.root))
         try:
             _write(tmp, step, model, optimizer, trainer, rng)
-            store.publish(tmp, final)
-            store.fsync_dir(self.root)
+            files.publish(tmp, final)
+            files.fsync_dir(self.root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -146,12 +146,12 @@ class CheckpointManager:
         """verl's pointer file, replaced atomically so a reader never sees it empty."""
         tmp = self.root / f".tmp-{LATEST}-{uuid.uuid4().hex[:12]}"
         try:
-            store.write_synced(tmp, str(step).encode())
+            files.write_synced(tmp, str(step).encode())
             os.replace(tmp, self.root / LATEST)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        store.fsync_dir(self.root)
+        files.fsync_dir(self.root)
 
     def _prune(self, keep_step: int) -> None:
         """Delete all but the ``keep`` newest checkpoints, never the one just written."""
@@ -207,7 +207,7 @@ def _write(
         "trainer": encoding.encode(_split(trainer, "trainer", tensors), "trainer"),
         "rng": encoding.encode(_split(rng, "rng", tensors), "rng"),
     }
-    store.write_synced(directory / STATE, json.dumps(state).encode())
+    files.write_synced(directory / STATE, json.dumps(state).encode())
     save_file(encoding.storable(model), str(directory / MODEL), metadata={"format": "pt"})
     save_file(encoding.storable(tensors), str(directory / OPTIMIZER), metadata={"format": "pt"})
     manifest = {
@@ -217,8 +217,8 @@ def _write(
         "files": {name: store.seal(directory / name) for name in DATA_FILES},
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    store.write_synced(directory / MANIFEST, json.dumps(manifest, indent=1).encode())
-    store.fsync_dir(directory)
+    files.write_synced(directory / MANIFEST, json.dumps(manifest, indent=1).encode())
+    files.fsync_dir(directory)
 
 
 def _split(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:

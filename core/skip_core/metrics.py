@@ -9,9 +9,7 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
 import re
-import tempfile
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -23,6 +21,7 @@ import rich.table
 import torch
 
 from skip_core.batch import Batch
+from skip_core.files import write_atomic
 
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
 PHASES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor")
@@ -125,20 +124,6 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write beside ``path``, fsync and rename, so a crash leaves the old file or the new one, never half."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with open(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _import_backend(name: str) -> Any:
     """Import the optional library now, so a missing one is a config error before training starts."""
     try:
@@ -189,7 +174,7 @@ class Tracking:
         self._history: list[dict[str, Any]] = []
         if "jsonl" in backends and self.jsonl_path.exists():
             self._history = [r for r in _read_jsonl(self.jsonl_path) if r["step"] <= resume_step]
-            _write_atomic(self.jsonl_path, "".join(json.dumps(r) + "\n" for r in self._history).encode())
+            write_atomic(self.jsonl_path, "".join(json.dumps(r) + "\n" for r in self._history).encode())
         self._console = console or rich.console.Console()
         self._writer = self._wandb_run = None
         if "tensorboard" in modules:
@@ -322,5 +307,5 @@ def plot(history: Sequence[Mapping[str, Any]], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
-    _write_atomic(path, buffer.getvalue())
+    write_atomic(path, buffer.getvalue())
     return path

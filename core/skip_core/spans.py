@@ -51,7 +51,10 @@ class Span:
         self._token = _current.set(self)
         if _starters:
             for start in _starters:
-                start(self)
+                try:
+                    start(self)
+                except Exception as exc:
+                    _switch_off(start, exc)
         self.start = _now()
         return self
 
@@ -116,6 +119,7 @@ _NO_SPAN = _NoSpan()
 _current: contextvars.ContextVar[Span | None] = contextvars.ContextVar("skip_span", default=None)
 _ids = itertools.count(1)
 _id_lock = threading.Lock()
+_switch_lock = threading.Lock()
 _sinks: list[SpanSink] = []
 _enders: list = []
 _starters: list = []
@@ -146,18 +150,32 @@ def enabled() -> bool:
 
 
 def _emit(done: Span) -> None:
-    try:
-        for end in _enders:
+    for end in _enders:
+        try:
             end(done)
-    except Exception as exc:  # a profiler must never fail the work it measures
-        _drop(end, exc)
+        except Exception as exc:  # a profiler must never fail the work it measures, nor starve other sinks
+            _switch_off(end, exc)
 
 
-def _drop(end: Any, exc: Exception) -> None:
-    warnings.warn(f"skip: span sink {end!r} failed and is switched off: {exc!r}", RuntimeWarning, stacklevel=3)
-    if end in _enders:
-        _enders.remove(end)
-    _rebind()
+def _switch_off(method: Any, exc: Exception) -> None:
+    """Stop sending spans to the sink ``method`` belongs to, and say so once.
+
+    The lists are replaced, not mutated, so a loop delivering the current span to the other
+    sinks carries on undisturbed.
+    """
+    global _enders, _starters
+    sink = _owner(method)
+    with _switch_lock:
+        if not any(_owner(fn) is sink for fn in (*_enders, *_starters)):
+            return  # another thread switched it off first and has warned
+        _enders = [fn for fn in _enders if _owner(fn) is not sink]
+        _starters = [fn for fn in _starters if _owner(fn) is not sink]
+        _rebind()
+    warnings.warn(f"skip: span sink {sink!r} failed and is switched off: {exc!r}", RuntimeWarning, stacklevel=3)
+
+
+def _owner(method: Any) -> Any:
+    return getattr(method, "__self__", method)
 
 
 def configure(config: Any, worker: int) -> list[SpanSink]:

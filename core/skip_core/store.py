@@ -16,7 +16,6 @@ warning and a miss, never an exception in the training step.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import mmap
 import os
@@ -26,7 +25,6 @@ import socket
 import tempfile
 import threading
 import time
-import uuid
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,6 +35,7 @@ import xxhash
 
 from skip_core import encoding
 from skip_core.config import Namespace
+from skip_core.files import fsync_dir, publish, write_synced
 
 FORMAT = "skip-cache"
 VERSION = 1
@@ -328,43 +327,6 @@ def seal(path: Path) -> dict:
     if errors:
         raise errors[0]
     return {"bytes": path.stat().st_size, "xxh3_128": digest}
-
-
-def write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def publish(tmp: Path, final: Path, attempts: int = 16) -> None:
-    """Rename ``tmp`` onto ``final``; an existing entry is moved aside and deleted first.
-
-    Concurrent writers of one step each retry until their rename lands; the last one wins,
-    and every intermediate state is a complete entry or none.
-    """
-    for _ in range(attempts):
-        try:
-            os.rename(tmp, final)
-            return
-        except OSError as exc:
-            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                raise
-        trash = final.with_name(f".trash-{final.name}-{uuid.uuid4().hex[:12]}")
-        try:
-            os.rename(final, trash)
-        except FileNotFoundError:
-            continue
-        shutil.rmtree(trash, ignore_errors=True)
-    raise OSError(f"could not replace {final}: other writers kept replacing it")
 
 
 def scan(root: Path) -> Iterator[Path]:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from skip_core.chat import ChatFormat
+from skip_core.files import apply_umask
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 # Not special, so they survive ``skip_special_tokens=True`` and a tool-call parser sees them.
@@ -87,6 +88,7 @@ def build(
         warm_up(model, tokenizer, conversations, tools, steps, seed=seed, progress=progress)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        apply_umask(tmp)
         _publish(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

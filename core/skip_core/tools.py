@@ -34,14 +34,15 @@ class ToolResponse:
 
 
 class Tool(ABC):
-    """Subclass, set ``schema`` (an OpenAI function schema) and implement ``execute``."""
+    """Subclass, set ``schema`` (an OpenAI function schema) and implement ``execute``.
+
+    The tools YAML may replace ``schema`` per entry; it is set on the built instance.
+    """
 
     schema: Mapping[str, Any]
 
-    def __init__(self, config: Mapping[str, Any] | None = None, schema: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         self.config = dict(config or {})
-        if schema is not None:
-            self.schema = schema
 
     @property
     def name(self) -> str:
@@ -156,7 +157,14 @@ def _build(path: Path):
         if entry.name not in factories:
             have = ", ".join(sorted(factories)) or "none"
             raise ConfigError(f"{path}: unknown tool {entry.name!r} (installed tools: {have})")
-        return factories[entry.name](entry.config, entry.schema_)
+        tool = factories[entry.name](dict(entry.config))
+        if not isinstance(tool, Tool):
+            raise ConfigError(
+                f"{path}: the factory of tool {entry.name!r} returned {type(tool).__name__}, not a skip_core.tools.Tool"
+            )
+        if entry.schema_ is not None:
+            tool.schema = entry.schema_
+        return tool
 
     return build
 
