@@ -1,10 +1,14 @@
+import re
+from pathlib import Path
+
 import pytest
+import tomllib
 from conftest import run_config
 from hydra import compose, initialize_config_dir
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from skip_core import ConfigError, SkipManager
-from skip_core.config import Namespace, RoleConfig, parse_section, register_hydra_defaults
+from skip_core.config import SHIPPED, Namespace, RoleConfig, install_hint, parse_section, register_hydra_defaults
 
 
 @pytest.mark.parametrize(
@@ -44,7 +48,8 @@ def test_enabled_role_without_its_plugin_names_the_distribution(tmp_path, monkey
 
     plugins._reset_for_tests()
     try:
-        with pytest.raises(ConfigError, match=r"pip install skip-plugin-async-rollout$"):
+        hint = r"install skip-plugin-async-rollout from a clone .*: pip install \./plugins/async_rollout$"
+        with pytest.raises(ConfigError, match=hint):
             SkipManager.init(config)
     finally:
         monkeypatch.delenv("SKIP_PLUGINS")
@@ -144,3 +149,14 @@ def test_hydra_overrides_work_as_in_the_design_doc(tmp_path):
         bad = compose(config_name="job", overrides=["skip.rollout.enable=True", "skip.rollout.action=cahce"])
     with pytest.raises(ConfigError, match="expected 'cache' or 'repeat', got 'cahce'"):
         SkipManager.init(bad)
+
+
+@pytest.mark.parametrize(("kind", "name"), sorted(SHIPPED))
+def test_install_hints_name_only_distributions_this_repository_has(kind, name):
+    """The folder a hint names holds the distribution it names, so the line works from a clone."""
+    hint = install_hint(kind, name)
+    pattern = r"install (\S+) from a clone of the skip repository: pip install \./(\S+)"
+    distribution, folder = re.fullmatch(pattern, hint).groups()
+    project = tomllib.loads((Path(__file__).parent.parent / folder / "pyproject.toml").read_text())["project"]
+    assert project["name"] == distribution
+    assert install_hint(kind, "not-shipped") == ""

@@ -266,7 +266,8 @@ def test_profiling_enabled_without_the_plugin_says_what_to_install(monkeypatch):
     monkeypatch.setenv("SKIP_PLUGINS", "")
     plugins._reset_for_tests()
     try:
-        with pytest.raises(ConfigError, match="pip install skip-plugin-profiling"):
+        hint = r"install skip-plugin-profiling from a clone .*: pip install \./plugins/profiling"
+        with pytest.raises(ConfigError, match=hint):
             spans.configure({"profiling": {"enable": True}}, worker=0)
     finally:
         monkeypatch.delenv("SKIP_PLUGINS")

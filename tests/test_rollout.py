@@ -61,7 +61,8 @@ def test_unknown_backend_fails_before_any_work(tmp_path):
     fresh = tmp_path / "never-built"
     result = rollout(f"task.dir={fresh}", "rollout.backend=vllm")
     assert result.exit_code == 1
-    assert "rollout.backend: unknown backend 'vllm'; pip install skip-plugin-vllm to use it" in result.output
+    assert "rollout.backend: unknown backend 'vllm' (installed: hf)" in result.output
+    assert "pip install" not in result.output  # no distribution of that name exists
     assert not fresh.exists()
 
 

@@ -158,3 +158,19 @@ def test_warm_up_lowers_the_loss_on_unseen_conversations(conversations):
     before = loss()
     tiny_model.warm_up(model, tokenizer, conversations[:48], [SCHEMA], steps=12, batch_size=8, progress=False)
     assert loss() < 0.6 * before
+
+
+def test_warm_up_progress_without_a_terminal_is_plain_lines_on_stdout_and_in_the_log(
+    conversations, tmp_path, monkeypatch, capsys
+):
+    """Output to a file (CI, nohup) gets periodic lines instead of a bar that shows only at the end."""
+    monkeypatch.setattr(tiny_model, "PROGRESS_EVERY_S", 0.0)
+    tokenizer = tiny_model.build_tokenizer(tiny_model.render(conversations, [SCHEMA]))
+    model = tiny_model.build_model(tokenizer, seed=0)
+    log = tmp_path / "build.log"
+    tiny_model.warm_up(model, tokenizer, conversations, [SCHEMA], steps=3, batch_size=4, log=log)
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split(",")[0] for line in printed] == [f"warm-up {k}/3 steps" for k in (1, 2, 3, 3)]
+    assert "s left" in printed[0] and "s left" not in printed[-1]
+    logged = log.read_text().splitlines()
+    assert [line.split(" ", 2)[2] for line in logged] == printed  # the same lines, after a date and time

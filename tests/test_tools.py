@@ -3,7 +3,7 @@ import asyncio
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from skip_core.backend import KNOWN_BACKENDS, backend_factory
+from skip_core.backend import backend_factory
 from skip_core.calculator import Calculator, CalculatorError, evaluate
 from skip_core.config import ConfigError
 from skip_core.hookspecs import hookimpl
@@ -169,11 +169,10 @@ def test_unknown_parser_names_the_key_and_the_installed_ones():
         tool_parser("xml")
 
 
-def test_unknown_backend_lists_installed_and_names_the_distribution_to_install():
-    installed = {"hf": object}
-    with pytest.raises(ConfigError, match=r"unknown backend 'vllm'; pip install skip-plugin-vllm .*\(installed: hf\)"):
-        backend_factory("vllm", installed)
-    with pytest.raises(ConfigError, match=r"unknown backend 'mine' \(installed: hf\)$"):
-        backend_factory("mine", installed)
-    assert backend_factory("hf", installed) is object
-    assert KNOWN_BACKENDS["sglang"] == "skip-plugin-sglang"
+def test_unknown_backend_lists_installed_and_says_how_to_install_one_this_repository_ships():
+    hint = r"unknown backend 'hf' \(installed: mine\); install skip-plugin-hf from a clone"
+    with pytest.raises(ConfigError, match=hint):
+        backend_factory("hf", {"mine": object})
+    with pytest.raises(ConfigError, match=r"unknown backend 'vllm' \(installed: hf\)$"):
+        backend_factory("vllm", {"hf": object})
+    assert backend_factory("hf", {"hf": object}) is object

@@ -133,7 +133,7 @@ def cli_run(*args):
         ("data.max_prompt_length=8", "data.max_prompt_length: all 64 prompts are longer than 8 tokens"),
         ("actor.ppo_mini_batch_size=3", "actor.ppo_mini_batch_size: 3 prompts do not divide data.train_batch_size=4"),
         ("actor.ppo_micro_batch_size=3", "actor.ppo_micro_batch_size: 3 samples do not divide a mini-batch of 2"),
-        ("trainer.schedule=one_step_off", "pip install skip-plugin-one-step-off"),
+        ("trainer.schedule=one_step_off", "trainer.schedule: unknown schedule 'one_step_off' (installed: sync)"),
         ("trainer.schedule=mine", "trainer.schedule: unknown schedule 'mine'"),
         ("reward.function=mine", "reward.function: unknown reward function 'mine' (installed: task)"),
         ("algorithm.adv_estimator=ppo", "algorithm.adv_estimator"),

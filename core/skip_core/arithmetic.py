@@ -166,9 +166,12 @@ class ArithmeticTask(Task):
         from skip_core import tiny_model
         from skip_core.calculator import SCHEMA
 
-        seed = settings["seed"]
+        seed, steps = settings["seed"], settings["warmup_steps"]
+        log = target.parent / "build.log"
+        if progress:
+            print(f"building the embedded default's model in {target}: {steps} warm-up steps (progress in {log})")
         conversations = [demonstration(*pair) for pair in problems(_WARMUP_SPLIT, _WARMUP_PROBLEMS, seed)]
-        tiny_model.build(target, conversations, [SCHEMA], steps=settings["warmup_steps"], seed=seed, progress=progress)
+        tiny_model.build(target, conversations, [SCHEMA], steps=steps, seed=seed, progress=progress, log=log)
 
     def score(self, response: str, ground_truth: str) -> float:
         return score(response, ground_truth)

@@ -17,9 +17,6 @@ from typing import Any, Literal
 
 from skip_core.config import lookup
 
-# Backends users ask for by name before installing them: name -> distribution to install.
-KNOWN_BACKENDS = {"hf": "skip-plugin-hf", "vllm": "skip-plugin-vllm", "sglang": "skip-plugin-sglang"}
-
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -101,4 +98,4 @@ def create_backend(name: str, config: Any) -> RolloutBackend:
 
 
 def backend_factory(name: str, installed: Mapping[str, Callable]) -> Callable:
-    return lookup("rollout.backend", "backend", name, installed, KNOWN_BACKENDS)
+    return lookup("rollout.backend", "backend", name, installed)

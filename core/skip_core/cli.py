@@ -223,11 +223,35 @@ def _compose(config_dir: Path, config_name: str, overrides: tuple[str, ...]) -> 
         raise click.UsageError(f"no config {config_name}.yaml in {config_dir.resolve()} (set --config-dir)")
     register_hydra_defaults()
     OmegaConf.register_new_resolver("config_dir", lambda: str(config_dir.resolve()), replace=True)
-    try:
-        with initialize_config_dir(config_dir=str(config_dir.resolve()), version_base=None):
+    with initialize_config_dir(config_dir=str(config_dir.resolve()), version_base=None):
+        try:
             return compose(config_name=config_name, overrides=list(overrides))
-    except HydraException as exc:
-        raise click.UsageError(str(exc)) from None
+        except HydraException as exc:
+            unknown = _unknown_key(exc, compose(config_name=config_name))
+            if unknown:
+                raise click.ClickException(unknown) from None
+            raise click.UsageError(str(exc)) from None
+
+
+def _unknown_key(exc: Exception, base: Any) -> str | None:
+    """Our one-line error for an override of a key the config lacks, instead of Hydra's advice to
+    add it with ``+`` (which only leads to the same error from the run's own validation)."""
+    import difflib
+
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    cause = exc.__cause__
+    if not isinstance(cause, (ConfigAttributeError, ConfigKeyError)) or not cause.full_key:
+        return None
+    parent_key, _, name = cause.full_key.rpartition(".")
+    parent = OmegaConf.select(base, parent_key) if parent_key else base
+    if not isinstance(parent, DictConfig):
+        return None
+    keys = sorted(str(key) for key in parent)
+    close = difflib.get_close_matches(name, keys, n=1)
+    hint = f"; did you mean {parent_key + '.' if parent_key else ''}{close[0]}?" if close else ""
+    return f"{cause.full_key}: unknown key (allowed: {', '.join(keys)}){hint}"
 
 
 @hydra_job("rollout", "Generate one batch through the configured backend and agent loop, with OVERRIDES.")

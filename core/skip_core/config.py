@@ -14,12 +14,24 @@ from typing import Any, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator
 
-# Roles whose plugin ships with this project: an enabled role that is not installed gets
-# the distribution to install in its error message.
-KNOWN_ROLES = {
-    "rollout": "skip-plugin-rollout",
-    "async_rollout": "skip-plugin-async-rollout",
+# What this repository's plugin distributions provide, and where each lives in it: an error
+# about a missing role, backend or profiler names the distribution and how to install it from
+# a clone. Nothing is published to a package index, and only what the repository has is listed.
+SHIPPED = {
+    ("role", "rollout"): "plugins/rollout",
+    ("role", "async_rollout"): "plugins/async_rollout",
+    ("backend", "hf"): "plugins/hf",
+    ("profiler", "profiling"): "plugins/profiling",
 }
+
+
+def install_hint(kind: str, name: str) -> str:
+    """How to install the distribution of this repository that provides ``kind`` ``name``, or ``""``."""
+    folder = SHIPPED.get((kind, name))
+    if folder is None:
+        return ""
+    distribution = "skip-plugin-" + folder.rsplit("/", 1)[1].replace("_", "-")
+    return f"install {distribution} from a clone of the skip repository: pip install ./{folder}"
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -215,11 +227,11 @@ def register_hydra_defaults(name: str = "skip_defaults") -> None:
     ConfigStore.instance().store(name=name, node=node)
 
 
-def lookup(key: str, kind: str, name: str, installed: Mapping[str, T], known: Mapping[str, str] | None = None) -> T:
+def lookup(key: str, kind: str, name: str, installed: Mapping[str, T]) -> T:
     """The plugin-provided ``kind`` called ``name``, or a ConfigError naming what is installed
-    and, for a name this project knows, the distribution that provides it."""
+    and, for one this repository ships, how to install it."""
     if name in installed:
         return installed[name]
     have = ", ".join(sorted(installed)) or "none"
-    hint = f"; pip install {known[name]} to use it" if known and name in known else ""
-    raise ConfigError(f"{key}: unknown {kind} {name!r}{hint} (installed: {have})")
+    hint = install_hint(kind, name)
+    raise ConfigError(f"{key}: unknown {kind} {name!r} (installed: {have})" + (f"; {hint}" if hint else ""))

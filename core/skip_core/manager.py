@@ -25,10 +25,10 @@ from typing import Any, TypeVar
 
 from skip_core import spans
 from skip_core.config import (
-    KNOWN_ROLES,
     ConfigError,
     Namespace,
     RoleConfig,
+    install_hint,
     is_hydra_marker,
     parse_section,
     select,
@@ -272,10 +272,9 @@ def _require_installed(name: str, raw: Any, roles: Mapping[str, Role]) -> None:
     enabled = isinstance(raw, Mapping) and str(raw.get("enable", False)).lower() in ("true", "1", "yes", "on")
     if not enabled:
         return
-    if name in KNOWN_ROLES:
-        raise ConfigError(
-            f"skip.{name}.enable is true but role {name!r} is not installed: pip install {KNOWN_ROLES[name]}"
-        )
+    hint = install_hint("role", name)
+    if hint:
+        raise ConfigError(f"skip.{name}.enable is true but role {name!r} is not installed: {hint}")
     installed = ", ".join(sorted(roles)) or "none"
     raise ConfigError(f"skip.{name}: no installed plugin provides role {name!r} (installed roles: {installed})")
 

@@ -10,13 +10,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-# Schedules users ask for by name before installing them: name -> distribution to install.
-KNOWN_SCHEDULES = {
-    "sync": "skip-core",
-    "one_step_off": "skip-plugin-one-step-off",
-    "fully_async": "skip-plugin-fully-async",
-}
-
 
 class Schedule(ABC):
     @abstractmethod

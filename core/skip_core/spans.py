@@ -180,14 +180,14 @@ def _owner(method: Any) -> Any:
 
 def configure(config: Any, worker: int) -> list[SpanSink]:
     """Ask the installed plugins for this process's sinks (``worker``: rollout rank, -1 driver)."""
-    from skip_core.config import ConfigError, select
+    from skip_core.config import ConfigError, install_hint, select
     from skip_core.plugins import load_plugins
 
     close()
     sinks = [s for s in load_plugins().hook.skip_span_sinks(config=config, worker=worker) if s is not None]
     if not sinks and select(config, "profiling.enable") is True:
         raise ConfigError(
-            "profiling.enable is true but no installed plugin records spans: pip install skip-plugin-profiling"
+            f"profiling.enable is true but no installed plugin records spans: {install_hint('profiler', 'profiling')}"
         )
     for sink in sinks:
         attach(sink)

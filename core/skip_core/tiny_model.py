@@ -17,8 +17,9 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from itertools import groupby
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,7 @@ def build(
     steps: int,
     seed: int = 0,
     progress: bool = True,
+    log: Path | None = None,
 ) -> Path:
     """Build the tokenizer and model, warm them up on ``conversations`` and save them at ``target``.
 
@@ -85,7 +87,7 @@ def build(
     try:
         tokenizer = build_tokenizer(render(conversations[:CORPUS_SIZE], tools))
         model = build_model(tokenizer, seed)
-        warm_up(model, tokenizer, conversations, tools, steps, seed=seed, progress=progress)
+        warm_up(model, tokenizer, conversations, tools, steps, seed=seed, progress=progress, log=log)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         apply_umask(tmp)
@@ -221,6 +223,7 @@ def warm_up(
     batch_size: int = 32,
     lr: float = 2e-3,
     progress: bool = True,
+    log: Path | None = None,
 ) -> list[float]:
     """Supervised steps on the assistant tokens of ``conversations``; returns the loss of each step."""
     import torch
@@ -233,7 +236,7 @@ def warm_up(
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(steps))
     losses = []
     model.train()
-    with _progress(progress, steps) as advance:
+    with _progress(progress, steps, log) as advance:
         for indices in _batches(len(examples), batch_size, steps, seed):
             loss = model(**_collate([examples[i] for i in indices], tokenizer.pad_token_id)).loss
             loss.backward()
@@ -286,14 +289,60 @@ def _collate(examples: Sequence[tuple[list[int], list[bool]]], pad: int) -> dict
 
 
 @contextmanager
-def _progress(enabled: bool, steps: int) -> Iterator[Callable[[float], None]]:
-    """A rich progress bar showing the latest loss; a no-op when not ``enabled``."""
+def _progress(enabled: bool, steps: int, log: Path | None = None) -> Iterator[Callable[[float], None]]:
+    """The warm-up's progress: a rich bar on a terminal; otherwise (CI, ``nohup``, a cluster log) a
+    plain line every ``PROGRESS_EVERY_S`` seconds. The plain lines also go to ``log`` when given."""
     if not enabled:
         yield lambda loss: None
         return
+    from rich.console import Console
+
+    terminal = Console().is_terminal
+    lines = _ProgressLines(steps, log, echo=not terminal)
+    with _bar(steps) if terminal else nullcontext(lambda loss: None) as bar:
+
+        def advance(loss: float) -> None:
+            bar(loss)
+            lines.advance(loss)
+
+        yield advance
+    lines.emit()
+
+
+@contextmanager
+def _bar(steps: int) -> Iterator[Callable[[float], None]]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     columns = (TextColumn("warm-up"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"))
     with Progress(*columns, TimeRemainingColumn(), transient=True) as bar:
         task = bar.add_task("warm-up", total=steps, loss="-")
         yield lambda loss: bar.update(task, advance=1, loss=f"{loss:.3f}")
+
+
+PROGRESS_EVERY_S = 10.0
+
+
+class _ProgressLines:
+    """``warm-up 120/350 steps, loss 1.234, 24 s elapsed, about 46 s left``, every few seconds."""
+
+    def __init__(self, steps: int, log: Path | None, echo: bool) -> None:
+        self.steps, self.log, self.echo = steps, log, echo
+        self.done, self.loss = 0, float("nan")
+        self.start = self.last = time.monotonic()
+
+    def advance(self, loss: float) -> None:
+        self.done, self.loss = self.done + 1, loss
+        if time.monotonic() - self.last >= PROGRESS_EVERY_S:
+            self.emit()
+
+    def emit(self) -> None:
+        self.last = time.monotonic()
+        elapsed = self.last - self.start
+        line = f"warm-up {self.done}/{self.steps} steps, loss {self.loss:.3f}, {elapsed:.0f} s elapsed"
+        if 0 < self.done < self.steps:
+            line += f", about {elapsed / self.done * (self.steps - self.done):.0f} s left"
+        if self.echo:
+            print(line, flush=True)
+        if self.log is not None:
+            with open(self.log, "a", encoding="utf-8") as file:
+                file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")

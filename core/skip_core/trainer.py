@@ -36,7 +36,7 @@ from skip_core.manager import SkipManager
 from skip_core.metrics import Tracking, check_backends, data_metrics, plot, summary_table
 from skip_core.reward import RewardConfig, Rewarder
 from skip_core.rollout import RolloutParts, load_tokenizer, loop_config, model_path, prepare_task
-from skip_core.schedule import KNOWN_SCHEDULES, Schedule
+from skip_core.schedule import Schedule
 from skip_core.workers import Pool, Resources, RolloutGroup, RolloutWorker
 
 # What the rollout workers need of a prompt batch; the rest stays with the trainer.
@@ -147,9 +147,9 @@ class Trainer:
 
         self.config, self.console = config, console
         self.settings = s = Settings.from_config(config)
-        self.schedule: Schedule = lookup(
-            "trainer.schedule", "schedule", s.trainer.schedule, registry().schedules, KNOWN_SCHEDULES
-        )(config)
+        self.schedule: Schedule = lookup("trainer.schedule", "schedule", s.trainer.schedule, registry().schedules)(
+            config
+        )
         self.parts = RolloutParts.from_config(config)
         SkipManager.init(config)
         prepare_task(config)
