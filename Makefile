@@ -1,12 +1,13 @@
 # `make demo`: README command #1 -- install, train the embedded default (profiled), report on the
 # profile, train again from the cache.
 # `make test`: README command #2 -- what CI runs.
+# `make wheels`: every distribution as a wheel in dist/.
 PY ?= python3
 VENV := .venv
 SKIP := $(VENV)/bin/skip
 DEMO := runs/demo
 
-.PHONY: demo install test
+.PHONY: demo install test wheels
 
 install:
 	$(PY) -m venv $(VENV)
@@ -23,3 +24,7 @@ demo: install
 
 test:
 	$(PY) -m venv $(VENV) && $(VENV)/bin/pip install -q -r requirements-dev.txt && $(VENV)/bin/ruff check . && $(VENV)/bin/pytest
+
+# Every distribution as a wheel in dist/, for machines without the clone (no package index has them).
+wheels:
+	rm -rf dist && $(PY) -m pip wheel -q --no-deps -w dist ./core ./plugins/*/
