@@ -51,7 +51,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument(
-        "--task-dir", type=Path, default=None, help="a built embedded default to reuse (default: build one in a temp dir)"
+        "--task-dir", type=Path, default=None, help="a built embedded default to reuse (default: built in a temp dir)"
     )
     parser.add_argument("overrides", nargs="*", help="extra `skip run` overrides, e.g. rollout.n=8")
     args = parser.parse_args()

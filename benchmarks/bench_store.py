@@ -221,7 +221,7 @@ def report(title: str, times: dict[str, list[float]], nbytes: int, baseline: str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=7, help="rounds of every variant (default 7)")
-    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: the system temp dir; TMPDIR picks another disk)")
+    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: the temp dir; TMPDIR)")
     parser.add_argument("--no-cold", action="store_true", help="skip cold-cache loads even where possible")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
