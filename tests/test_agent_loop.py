@@ -74,13 +74,16 @@ class ScriptedBackend(RolloutBackend):
         pass
 
 
+RECORDER_SCHEMA = {"type": "function", "function": {"name": "recorder", "parameters": {"type": "object"}}}
+
+
 class Recorder(Tool):
     """A tool that logs its lifecycle; ``fail`` makes execute raise, ``pause`` makes it wait."""
 
+    schema = RECORDER_SCHEMA
+
     def __init__(self, fail=False, pause=0.0):
-        super().__init__(
-            schema={"type": "function", "function": {"name": "recorder", "parameters": {"type": "object"}}}
-        )
+        super().__init__()
         self.fail, self.pause, self.events, self.running, self.peak = fail, pause, [], 0, 0
 
     async def create(self, request_id, **kwargs):

@@ -5,6 +5,7 @@ tail, known turn counts) and checks that the analyses name them.
 """
 
 import collections
+import html
 import itertools
 import json
 import math
@@ -18,6 +19,7 @@ import pytest
 from click.testing import CliRunner
 from skip_plugin_profiling import analysis
 from skip_plugin_profiling.cli import profile, register
+from skip_plugin_profiling.intervals import union_length
 from skip_plugin_profiling.logs import read_logs
 from skip_plugin_profiling.report import FIGURES, write_report
 from skip_plugin_profiling.trace import write_trace
@@ -113,10 +115,11 @@ def test_step_7_is_a_peak_and_worker_0_its_straggler(run):
 
     workers = analysis.workers(run)  # defaults to the slowest step
     assert workers.step == 7 and workers.straggler == 0
-    assert workers.straggler_excess == pytest.approx(150.0)
+    assert workers.lag == pytest.approx(150.0) and not workers.balanced
     assert workers.mean_wait_others == pytest.approx(150.0) and workers.max_wait_others == pytest.approx(150.0)
     table = {row["workid"]: row for row in workers.table.to_pylist()}
     assert table[0]["busy"] == pytest.approx(180.0) and table[0]["wait"] == pytest.approx(0.0)
+    assert table[0]["finish"] == pytest.approx(180.0) and table[1]["finish"] == pytest.approx(30.0)
     assert table[0]["gap"] == pytest.approx(150.0) and table[0]["gap_flagged"]
     assert (table[0]["gap_from"], table[0]["gap_to"]) == pytest.approx((25.0, 175.0))
     assert not any(table[w]["gap_flagged"] for w in range(1, 8))
@@ -130,7 +133,20 @@ def test_step_7_is_a_peak_and_worker_0_its_straggler(run):
     assert straggler.values["mean_wait"] == pytest.approx(150.0)
     (gap,) = [f for f in found if f.kind == "gap"]
     assert (gap.worker, gap.step) == (0, 7) and gap.seconds == pytest.approx(150.0)
-    assert "worker 0 for 150.0 s (from 25.0 s to 175.0 s" in gap.text
+    assert "worker 0 for 150 s (from 25 s to 175 s" in gap.text
+
+
+def test_the_straggler_is_whom_the_others_waited_for_not_the_busiest(tmp_path):
+    spans = Spans(tmp_path)
+    # worker 1 got its batch 30 s late: the least busy, yet the last to finish.
+    ends = {w: spans.worker_step(1, w, [10.0 * k + start for k in range(1, n + 1)], start=start)
+            for w, start, n in ((0, 10.0, 5), (1, 30.0, 4), (2, 0.0, 5))}  # fmt: skip
+    spans.barrier(1, ends)
+    workers = analysis.workers(read_logs(tmp_path))
+    busy = dict(zip(workers.table["workid"].to_pylist(), workers.table["busy"].to_pylist(), strict=True))
+    assert busy == pytest.approx({0: 50.0, 1: 40.0, 2: 50.0})
+    assert workers.straggler == 1 and workers.lag == pytest.approx(15.0)  # the others waited 10 and 20 s
+    assert workers.table["finish"].to_pylist() == pytest.approx([60.0, 70.0, 50.0])
 
 
 def test_long_tail_80_percent_within_half_the_rollout(run):
@@ -146,8 +162,10 @@ def test_long_tail_80_percent_within_half_the_rollout(run):
 
 def test_trainer_phases_per_step(run):
     phases = analysis.trainer_phases(run)
-    assert phases.column_names == ["step", "gen", "update_actor"]
-    assert phases["update_actor"].to_pylist() == pytest.approx([10.0] * 8)
+    assert phases.table.column_names == ["step", "total", "gen", "update_actor", "other"]
+    assert phases.table["step"].to_pylist() == list(range(1, 9))
+    assert phases.table["update_actor"].to_pylist() == pytest.approx([10.0] * 8)
+    assert phases.table["other"].to_pylist() == pytest.approx([0.0] * 8)  # no trainer/step: total = first to last
 
 
 @pytest.fixture
@@ -174,31 +192,53 @@ def test_slowest_request_is_named_with_its_dominant_event(slow_tool):
     assert first.events[-1]["attrs"]["tool"] == "calc"
     (finding,) = [f for f in analysis.findings(logs) if f.kind == "slow_request"]
     assert finding.request_id == "<b>slow</b>" and finding.event == "tool_reward"
-    assert "tool_reward took 40.0 s of it" in finding.text and "took 45.2 s" in finding.text
+    assert "tool_reward took 40 s of it" in finding.text and "took 45.2 s" in finding.text
 
 
-def test_event_shares_count_concurrent_spans_once(tmp_path):
+def test_event_outliers_judge_engine_calls_per_token(tmp_path):
     spans = Spans(tmp_path)
-    # worker 0: busy 10 s, waits 2 s; generate spans [0, 6] and [2, 8] overlap: 8 s, not 10.
+    # 0.02 s per token, a long answer included; "stuck" took 60 s for 100 tokens; one reward took 40 s.
+    for i, tokens in enumerate([50, 80, 100, 120, 150, 90, 110, 5000]):
+        spans.request(1, 0, f"r{i}", 0.0, [(0.02 * tokens, tokens)], tool_s=0.03 + 0.001 * i)
+    spans.request(1, 0, "stuck", 0.0, [(60.0, 100)], tool_s=0.03)
+    spans.request(1, 0, "slow-reward", 0.0, [(2.0, 100)], tool_s=40.0)
+    spans.span(1, 0, "rollout", 0.0, 100.0)
+    outliers = analysis.event_outliers(read_logs(tmp_path))
+    assert outliers.per_token == {"generate": True, "tool_reward": False}
+    got = [(r["event"], r["request_id"]) for r in outliers.table.to_pylist()]
+    assert got == [("generate", "stuck"), ("tool_reward", "slow-reward")]  # the 5000-token answer is no outlier
+    (stuck,) = outliers.table.filter(pc.equal(outliers.table["event"], "generate")).to_pylist()
+    assert stuck["usual"] == pytest.approx(2.0) and stuck["ratio"] == pytest.approx(30.0)
+
+
+def test_event_shares_split_concurrent_spans_and_add_up(tmp_path):
+    spans = Spans(tmp_path)
+    # worker 0: busy 10 s, waits 2 s. generate a [0, 6] and b [2, 8] overlap each other and c's tool
+    # call [5, 7]: each instant is split among the spans open at it; nothing runs in [9, 10].
     agent = spans.span(1, 0, "agent_step", 0.0, 8.0)
     spans.span(1, 0, "generate", 0.0, 6.0, parent=agent, request_id="a")
     spans.span(1, 0, "generate", 2.0, 8.0, parent=agent, request_id="b")
+    spans.span(1, 0, "tool_call", 5.0, 7.0, request_id="c")
     spans.span(1, 0, "tool_call", 8.0, 9.0, request_id="b")
     spans.span(1, 0, "rollout", 0.0, 10.0)
     # worker 1: busy 12 s generating, no wait, no tool call.
-    spans.span(1, 1, "generate", 0.0, 12.0, request_id="c")
+    spans.span(1, 1, "generate", 0.0, 12.0, request_id="d")
     spans.span(1, 1, "rollout", 0.0, 12.0)
     spans.barrier(1, {0: 10.0, 1: 12.0})
     shares = analysis.event_shares(read_logs(tmp_path))
     assert "agent_step" in shares.containers and "rollout" in shares.containers
     got = {row["event"]: row["mean_share"] for row in shares.table.to_pylist()}
-    assert set(got) == {"generate", "tool_call", "barrier_wait"}
-    assert got["generate"] == pytest.approx((8 / 12 + 12 / 12) / 2)
-    assert got["tool_call"] == pytest.approx((1 / 12 + 0) / 2)
+    assert set(got) == {"generate", "tool_call", "barrier_wait", "other/idle"}
+    generate0 = 2 + 3 + 2 / 3 + 1 / 2 + 1  # [0,2] a; [2,5] a+b; [5,6] a+b+c; [6,7] b+c; [7,8] b
+    assert got["generate"] == pytest.approx((generate0 / 12 + 12 / 12) / 2)
+    assert got["tool_call"] == pytest.approx(((1 / 3 + 1 / 2 + 1) / 12 + 0) / 2)
     assert got["barrier_wait"] == pytest.approx((2 / 12 + 0) / 2)
-    assert shares.table["event"].to_pylist()[0] == "generate"
+    assert got["other/idle"] == pytest.approx((1 / 12 + 0) / 2)
+    assert sum(got.values()) == pytest.approx(1.0)
+    assert shares.table["event"].to_pylist()[0] == "generate" and shares.table["event"].to_pylist()[-1] == "other/idle"
     per_step = shares.per_step.to_pylist()
-    assert {r["event"]: r["share"] for r in per_step} == pytest.approx(got)
+    events = {k: v for k, v in got.items() if k != "other/idle"}
+    assert {r["event"]: r["share"] for r in per_step} == pytest.approx(events)
 
 
 def test_turns_by_index_by_count_and_distribution(tmp_path):
@@ -270,17 +310,18 @@ def test_reads_the_article_format_with_a_truncated_last_line(tmp_path):
             for turn in range(r + 1):  # request r has r + 1 turns
                 logger.log("engine_async_generate", 0.5 - 0.1 * turn, {"request_id": f"w{w}r{r}"}, workid=w, step=3)
         logger.log("async_generate_duration", 2.0, workid=w, step=3)
+        logger.log("request_start", extra={"request_id": f"w{w}r0"}, workid=w, step=3)  # an instant
         logger.log("barrier_wait_duration", 0.1 * w, workid=w, step=3)
         logger.log("total_step_duration", 3.0, workid=w, step=3, batch_size=3)
         logger.file.write('{"timestamp": "2026-11-22T10:00:00.1", "event": "engine_async_gen')  # killed mid-line
         logger.file.close()
     variant = ArticleLogger(tmp_path / "step_4" / "worker_0.jsonl")  # `worker` key, no step: from the directory
-    variant.log("reward_duration", 1.5, worker=0)
+    variant.log("calc_reward", 1.5, worker=0)
     variant.file.write("not json at all\n")
     variant.file.close()
 
     logs = read_logs(tmp_path)
-    assert logs.lines_skipped == 3 and len(logs.files) == 3
+    assert logs.lines_skipped == 3 and len(logs.files) == 3 and logs.instants == 2
     assert len(logs.line_by_line) == 1
     table = logs.table
     assert table.num_rows == 2 * (1 + 6 + 3) + 1
@@ -288,8 +329,8 @@ def test_reads_the_article_format_with_a_truncated_last_line(tmp_path):
     assert events[("generate", "engine_async_generate")] == 12
     assert events[("rollout", "total_step_duration")] == 2
     assert events[("preprocess", "preprocessing_duration")] == 2
-    assert events[("async_generate_duration", "async_generate_duration")] == 2
-    reward = table.filter(pc.equal(table["event"], "reward")).to_pylist()[0]
+    assert events[("async_generate", "async_generate_duration")] == 2
+    reward = table.filter(pc.equal(table["event"], "tool_reward")).to_pylist()[0]
     assert (reward["step"], reward["workid"], reward["phase"]) == (4, 0, "train")
     assert reward["start"] == pytest.approx(reward["end"] - 1.5)
     first = json.loads((tmp_path / "step_3" / "worker_0.jsonl").read_text().splitlines()[0])
@@ -334,7 +375,7 @@ def test_report_writes_every_figure_and_the_findings(run, slow_tool, tmp_path):
     page = index.read_text()
     assert "<h2>Findings</h2>" in page
     for finding in analysis.findings(run):
-        assert finding.text.replace("'", "&#x27;") in page
+        assert html.escape(finding.text) in page
     assert "straggler" in page and '<img src="workers.png"' in page
     assert "Step 7" in (tmp_path / "report" / "report.md").read_text()
 
@@ -432,6 +473,6 @@ def test_union_length_is_exact_on_nested_and_disjoint_intervals():
     groups = np.array([0, 0, 0, 1, 1, 2])
     starts = np.array([0.0, 1.0, 5.0, 0.0, 3.0, 2.0])
     ends = np.array([4.0, 2.0, 6.0, 2.0, 4.0, 2.0])
-    got = analysis._union_length(groups, starts, ends, 4)
+    got = union_length(groups, starts, ends, 4)
     assert got.tolist() == pytest.approx([5.0, 3.0, 0.0, 0.0])
     assert not math.isnan(got.sum())

@@ -3,8 +3,11 @@
 Every analysis works on the same columns whatever wrote the logs: the recorder of this plugin
 (``start``, ``pid``, span ids, ``extra`` request context) or the logger of the verl multi-turn
 profiling article (an end ``timestamp`` and ``duration_sec``, ``workid`` or ``worker``, event
-names such as ``engine_async_generate``). A process killed mid-write leaves a truncated last
-line and a crashed writer can leave garbage: such lines are skipped and counted, never fatal.
+names such as ``engine_async_generate``, renamed through ``article.CANONICAL``). A process
+killed mid-write leaves a truncated last line and a crashed writer can leave garbage: such
+lines are skipped and counted, never fatal. Lines that name an event and a time but no
+duration (the article's ``request_start``, ``turn_start``) are instants, not spans: they are
+counted apart and left out.
 
 Each file is parsed by ``pyarrow.json`` (vectorized, a million lines in seconds); a file it
 rejects (garbage lines, a field whose type changes between lines) is parsed again line by line
@@ -21,23 +24,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pj
 
-#: The article's event names mapped onto ours; names not listed are kept as written.
-CANONICAL = {
-    "engine_async_generate": "generate",
-    "preprocessing_duration": "preprocess",
-    "barrier_wait_duration": "barrier_wait",
-    "padding_duration": "padding",
-    "batch_construction_duration": "batch_construction",
-    "total_step_duration": "rollout",
-    "reward_duration": "reward",
-}
+from skip_plugin_profiling.article import ATTRIBUTES, CANONICAL
+from skip_plugin_profiling.columns import array_of, as_string, cast, coalesce, stack, with_default
 
 #: The normalized columns every table has, in order; attributes follow as extra columns.
 CORE = pa.schema(
@@ -91,6 +86,7 @@ class Logs:
     files: list[Path] = field(default_factory=list)
     skipped: dict[Path, int] = field(default_factory=dict)
     line_by_line: list[Path] = field(default_factory=list)
+    instants: int = 0  # lines with an event and a time but no duration: markers, not spans
 
     @property
     def lines_skipped(self) -> int:
@@ -113,7 +109,18 @@ class Logs:
         if self.lines_skipped:
             where = ", ".join(f"{p.name} ({n})" for p, n in sorted(self.skipped.items()) if n)
             text += f"; skipped {self.lines_skipped} unreadable lines: {where}"
+        if self.instants:
+            text += f"; left out {self.instants:,} instants (events without a duration)"
         return text
+
+
+class _Read(NamedTuple):
+    """One file's normalized table and what could not become spans in it."""
+
+    table: pa.Table
+    skipped: int
+    instants: int
+    slow: bool  # parsed line by line
 
 
 @dataclass(frozen=True)
@@ -131,11 +138,11 @@ def read_logs(path: str | os.PathLike) -> Logs:
     files = _find_files(root)
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         results = list(pool.map(_read_file, files, range(len(files))))
-    tables = [table for table, _, _ in results if table.num_rows]
-    logs = Logs(_concat(tables), root, files)
-    for file, (_, skipped, slow) in zip(files, results, strict=True):
-        logs.skipped[file] = skipped
-        if slow:
+    logs = Logs(stack([r.table for r in results if r.table.num_rows], CORE), root, files)
+    logs.instants = sum(r.instants for r in results)
+    for file, result in zip(files, results, strict=True):
+        logs.skipped[file] = result.skipped
+        if result.slow:
             logs.line_by_line.append(file)
     return logs
 
@@ -162,8 +169,8 @@ def _context(file: Path) -> _Context:
     return _Context(step, phase, int(worker.group(1)) if worker else None)
 
 
-def _read_file(file: Path, index: int = 0) -> tuple[pa.Table, int, bool]:
-    """Parse one file: (normalized table, lines skipped, whether it needed the slow path)."""
+def _read_file(file: Path, index: int = 0) -> _Read:
+    """Parse one file, fast path first."""
     data = file.read_bytes()
     data, skipped = _complete_lines(data)
     slow = False
@@ -176,10 +183,10 @@ def _read_file(file: Path, index: int = 0) -> tuple[pa.Table, int, bool]:
         raw, bad = _read_lines(data)
         skipped += bad
     if raw is None or raw.num_rows == 0:
-        return pa.table({f.name: pa.array([], f.type) for f in CORE}), skipped, slow
-    table, dropped = _normalize(_flatten(raw), _context(file))
+        return _Read(pa.table({f.name: pa.array([], f.type) for f in CORE}), skipped, 0, slow)
+    table, dropped, instants = _normalize(_flatten(raw), _context(file))
     table = table.set_column(CORE.get_field_index("file"), "file", pa.array(np.full(table.num_rows, index)))
-    return table, skipped + dropped, slow
+    return _Read(table, skipped + dropped, instants, slow)
 
 
 def _complete_lines(data: bytes) -> tuple[bytes, int]:
@@ -214,7 +221,7 @@ def _read_lines(data: bytes) -> tuple[pa.Table | None, int]:
     if not rows:
         return None, bad
     keys = list(dict.fromkeys(k for row in rows for k in row))
-    return pa.table({k: _array([row.get(k) for row in rows]) for k in keys}), bad
+    return pa.table({k: array_of([row.get(k) for row in rows]) for k in keys}), bad
 
 
 def _flat_dict(obj: dict, prefix: str = "") -> dict[str, Any]:
@@ -227,33 +234,27 @@ def _flat_dict(obj: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def _array(values: list) -> pa.Array:
-    try:
-        return pa.array(values)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
-        return pa.array([v if v is None or isinstance(v, str) else json.dumps(v) for v in values], pa.string())
-
-
 def _flatten(table: pa.Table) -> pa.Table:
     while any(pa.types.is_struct(f.type) for f in table.schema):
         table = table.flatten()
     return table
 
 
-def _normalize(raw: pa.Table, ctx: _Context) -> tuple[pa.Table, int]:
-    """Map one file's flattened columns onto ``CORE`` plus attributes; drop non-span rows."""
+def _normalize(raw: pa.Table, ctx: _Context) -> tuple[pa.Table, int, int]:
+    """Map one file's flattened columns onto ``CORE`` plus attributes: (spans, unreadable rows,
+    instants). Instants have an event and a time but no duration: not spans, yet not broken."""
     columns = _by_key(raw)
     n = raw.num_rows
-    duration = _as(_pick(columns, "duration_sec"), pa.float64(), n)
-    start = _as(_pick(columns, "start"), pa.float64(), n)
+    duration = cast(_pick(columns, "duration_sec"), pa.float64(), n)
+    start = cast(_pick(columns, "start"), pa.float64(), n)
     end = pc.if_else(pc.is_null(start), _epoch(_pick(columns, "timestamp"), n), pc.add(start, duration))
     start = pc.coalesce(start, pc.subtract(end, duration))
-    raw_event = _as(_pick(columns, "event"), pa.string(), n)
+    raw_event = cast(_pick(columns, "event"), pa.string(), n)
     out = {
-        "step": _with_default(_as(_pick(columns, "step"), pa.int64(), n), ctx.step if ctx.step is not None else 0),
-        "phase": _with_default(_as(_pick(columns, "phase"), pa.string(), n), ctx.phase),
-        "workid": _with_default(
-            pc.coalesce(_as(_pick(columns, "workid"), pa.int64(), n), _as(_pick(columns, "worker"), pa.int64(), n)),
+        "step": with_default(cast(_pick(columns, "step"), pa.int64(), n), ctx.step if ctx.step is not None else 0),
+        "phase": with_default(cast(_pick(columns, "phase"), pa.string(), n), ctx.phase),
+        "workid": with_default(
+            pc.coalesce(cast(_pick(columns, "workid"), pa.int64(), n), cast(_pick(columns, "worker"), pa.int64(), n)),
             ctx.workid if ctx.workid is not None else 0,
         ),
         "event": _canonical(raw_event),
@@ -263,16 +264,16 @@ def _normalize(raw: pa.Table, ctx: _Context) -> tuple[pa.Table, int]:
         "duration": duration,
     }
     for name in ("request_id", "offset", "turn", "span_id", "parent_id", "pid"):
-        out[name] = _as(_pick(columns, name), CORE.field(name).type, n)
+        out[name] = cast(_pick(columns, name), CORE.field(name).type, n)
     out["file"] = pa.chunked_array([pa.nulls(n, pa.int64())])
     for name, arrays in columns.items():
         if name not in _CONSUMED:
-            out[name if name not in out else f"extra.{name}"] = _coalesce(arrays)
+            out[name if name not in out else f"extra.{name}"] = coalesce(arrays)
     table = pa.table(out)
-    keep = pc.and_(pc.is_valid(table["event"]), pc.and_(pc.is_valid(duration), pc.is_valid(end)))
-    keep = pc.fill_null(keep, False)
-    kept = table.filter(keep)
-    return kept, n - kept.num_rows
+    timed = pc.and_(pc.is_valid(table["event"]), pc.is_valid(end))
+    kept = table.filter(pc.and_(timed, pc.is_valid(duration)))
+    instants = pc.sum(pc.and_(timed, pc.is_null(duration))).as_py() or 0
+    return kept, n - kept.num_rows - instants, instants
 
 
 def _by_key(raw: pa.Table) -> dict[str, list[pa.ChunkedArray]]:
@@ -280,6 +281,7 @@ def _by_key(raw: pa.Table) -> dict[str, list[pa.ChunkedArray]]:
     columns: dict[str, list[pa.ChunkedArray]] = {}
     for name in raw.column_names:
         key = name[len("extra.") :] if name.startswith("extra.") else name
+        key = ATTRIBUTES.get(key, key)
         if key == "extra":  # an ``extra`` that was never an object with keys
             continue
         columns.setdefault(key, []).append(raw[name])
@@ -288,61 +290,11 @@ def _by_key(raw: pa.Table) -> dict[str, list[pa.ChunkedArray]]:
 
 def _pick(columns: dict[str, list], key: str) -> pa.ChunkedArray | None:
     arrays = columns.get(key)
-    return None if not arrays else _coalesce(arrays)
-
-
-def _coalesce(arrays: list[pa.ChunkedArray]) -> pa.ChunkedArray:
-    if len(arrays) == 1:
-        return arrays[0]
-    try:
-        return pc.coalesce(*arrays)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
-        return pc.coalesce(*[_to_string(a) for a in arrays])
-
-
-def _as(column: pa.ChunkedArray | None, type_: pa.DataType, n: int) -> pa.ChunkedArray:
-    """Cast leniently: a value the type cannot hold becomes null rather than failing the file."""
-    if column is None:
-        return pa.chunked_array([pa.nulls(n, type_)])
-    if column.type == type_:
-        return column
-    if pa.types.is_null(column.type):
-        return pa.chunked_array([pa.nulls(n, type_)])
-    if type_ == pa.string():
-        return _to_string(column)
-    try:
-        return column.cast(type_)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        values = [_number(v, type_) for v in column.to_pylist()]
-        return pa.chunked_array([pa.array(values, type_)])
-
-
-def _number(value: Any, type_: pa.DataType) -> Any:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    if not np.isfinite(number):
-        return None
-    return int(number) if pa.types.is_integer(type_) else number
-
-
-def _to_string(column: pa.ChunkedArray) -> pa.ChunkedArray:
-    if pa.types.is_string(column.type):
-        return column
-    try:
-        return column.cast(pa.string())
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        values = [None if v is None else v if isinstance(v, str) else json.dumps(v) for v in column.to_pylist()]
-        return pa.chunked_array([pa.array(values, pa.string())])
-
-
-def _with_default(column: pa.ChunkedArray, default: Any) -> pa.ChunkedArray:
-    return pc.fill_null(column, pa.scalar(default, column.type))
+    return None if not arrays else coalesce(arrays)
 
 
 def _canonical(raw_event: pa.ChunkedArray) -> pa.ChunkedArray:
-    """Map names through ``CANONICAL`` once per distinct name, not per row."""
+    """Map names through ``article.CANONICAL`` once per distinct name, not per row."""
     encoded = raw_event.combine_chunks().dictionary_encode()
     names = [CANONICAL.get(v, v) for v in encoded.dictionary.to_pylist()]
     return pa.chunked_array([pc.take(pa.array(names, pa.string()), encoded.indices)])
@@ -353,7 +305,7 @@ def _epoch(timestamp: pa.ChunkedArray | None, n: int) -> pa.ChunkedArray:
     so all of one run's naive timestamps stay on one consistent clock."""
     if timestamp is None or pa.types.is_null(timestamp.type):
         return pa.chunked_array([pa.nulls(n, pa.float64())])
-    parsed = timestamp if pa.types.is_timestamp(timestamp.type) else _parse_iso(_to_string(timestamp))
+    parsed = timestamp if pa.types.is_timestamp(timestamp.type) else _parse_iso(as_string(timestamp))
     micros = parsed.cast(pa.timestamp("us", tz=parsed.type.tz)).cast(pa.int64())
     return pc.divide(micros.cast(pa.float64()), 1e6)
 
@@ -381,44 +333,3 @@ def _iso_seconds(text: str | None) -> float | None:
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=timezone.utc)
     return moment.timestamp()
-
-
-def _concat(tables: list[pa.Table]) -> pa.Table:
-    """Stack per-file tables whose attribute columns may differ in presence and type."""
-    if not tables:
-        return pa.table({f.name: pa.array([], f.type) for f in CORE})
-    types: dict[str, set[pa.DataType]] = {}
-    for table in tables:
-        for f in table.schema:
-            if f.name not in CORE.names:
-                types.setdefault(f.name, set()).add(f.type)
-    schema = pa.schema(list(CORE) + [(name, _unify(found)) for name, found in types.items()])
-    return pa.concat_tables([_conform(t, schema) for t in tables]).combine_chunks()
-
-
-def _unify(found: set[pa.DataType]) -> pa.DataType:
-    found = {t for t in found if not pa.types.is_null(t)}
-    if not found:
-        return pa.null()
-    if len(found) == 1:
-        return found.pop()
-    if all(pa.types.is_integer(t) or pa.types.is_boolean(t) for t in found):
-        return pa.int64()
-    if all(pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) for t in found):
-        return pa.float64()
-    return pa.string()
-
-
-def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
-    n = table.num_rows
-    columns = []
-    for f in schema:
-        if f.name not in table.column_names:
-            columns.append(pa.chunked_array([pa.nulls(n, f.type)]))
-        elif table[f.name].type == f.type:
-            columns.append(table[f.name])
-        elif f.type == pa.string():
-            columns.append(_to_string(table[f.name]))
-        else:
-            columns.append(table[f.name].cast(f.type))
-    return pa.Table.from_arrays(columns, schema=schema)

@@ -1,9 +1,9 @@
 """A report a person reads once after a slow run: findings first, then each analysis with its
 table and figure, as one self-contained ``index.html`` (and the same in ``report.md``).
 
-Figures are drawn with matplotlib's object API on Agg canvases (no pyplot state, no display),
-one PNG per analysis. Every string that came from the logs (event names, request ids, tool
-names) is escaped before it reaches HTML.
+Every string that came from the logs (event names, request ids, tool names) is escaped before
+it reaches HTML; every duration goes through ``units.duration`` so each reads in a unit that
+fits it, in sentences and table cells alike.
 """
 
 from __future__ import annotations
@@ -15,20 +15,41 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
-from matplotlib import colormaps
-from matplotlib.figure import Figure
-from matplotlib.patches import Patch
-from matplotlib.ticker import MaxNLocator
 
-from skip_plugin_profiling.analysis import QUANTILES, Analysis, Finding, analyze, findings
+from skip_plugin_profiling import units
+from skip_plugin_profiling.analysis import Analysis, Finding, analyze, findings
+from skip_plugin_profiling.figures import FIGURES, draw
 from skip_plugin_profiling.logs import Logs
+from skip_plugin_profiling.rollout import MAD_FLOOR, PEAK_MADS, PEAK_RATIO
+from skip_plugin_profiling.slowest import OUTLIER_MADS, OUTLIER_MIN_S, OUTLIER_MIN_SPANS, OUTLIER_RATIO
+from skip_plugin_profiling.workers import GAP_FACTOR, GAP_MIN_S, GAP_ROLLOUT, LAG_MIN_S, LAG_ROLLOUT, OTHER
 
-DPI = 100
-FIGURES = ("cdf", "rollout_time", "workers", "slowest_requests", "event_share", "turns", "tail")
+__all__ = ["FIGURES", "write_report"]
+
 _MAX_EVENT_ROWS = 40
-_OUTLINED = ("request", "turn", "rollout")  # containers: drawn as outlines so their children show
+_MAX_OUTLIER_ROWS = 25
+#: Columns holding seconds, whatever the table; pivots and the trainer table name theirs.
+_TIME_COLUMNS = frozenset(
+    [
+        "rollout_time",
+        "busy",
+        "wait",
+        "total",
+        "finish",
+        "gap",
+        "gap_from",
+        "gap_to",
+        "gap_threshold",
+        "mean_seconds",
+        "duration",
+        "usual",
+        "mean_generate",
+        "mean_duration",
+        "start",
+        "end",
+    ]
+)
 
 
 @dataclass
@@ -59,347 +80,11 @@ def write_report(
     out.mkdir(parents=True, exist_ok=True)
     result = analysis or analyze(logs, step=step, top=top, lengths=lengths)
     found = findings(result)
-    images = _figures(result, out)
-    sections = _sections(logs, result, images)
+    sections = _sections(logs, result, draw(result, out))
     title = f"Rollout profile: {logs.root}"
     (out / "index.html").write_text(_html(title, found, sections), encoding="utf-8")
     (out / "report.md").write_text(_markdown(title, found, sections), encoding="utf-8")
     return out / "index.html"
-
-
-# --- figures ----------------------------------------------------------------------------------
-
-
-def _figures(a: Analysis, out: Path) -> dict[str, str]:
-    drawers = {
-        "cdf": _fig_cdf,
-        "rollout_time": _fig_rollout,
-        "workers": _fig_workers,
-        "slowest_requests": _fig_slowest,
-        "event_share": _fig_shares,
-        "turns": _fig_turns,
-        "tail": _fig_tail,
-        "trainer": _fig_trainer,
-    }
-    images = {}
-    for name, draw in drawers.items():
-        fig = draw(a)
-        if fig is None:
-            continue
-        fig.savefig(out / f"{name}.png", dpi=DPI)
-        images[name] = f"{name}.png"
-    return images
-
-
-def _figure(width: float, height: float, panels: int = 1) -> tuple[Figure, list]:
-    fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
-    axes = fig.subplots(1, panels, squeeze=False)[0].tolist()
-    return fig, axes
-
-
-def _empty(ax, text: str) -> None:
-    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="gray")
-    ax.set_axis_off()
-
-
-def _step_colors(steps: list[int]) -> dict[int, Any]:
-    cmap = colormaps["viridis"]
-    n = max(len(steps) - 1, 1)
-    return {s: cmap(i / n) for i, s in enumerate(steps)}
-
-
-def _labelled_steps(a: Analysis, steps: list[int], most: int = 6) -> set[int]:
-    """Many steps make an unreadable legend: label the first, last, peaks and the chosen one."""
-    if len(steps) <= most:
-        return set(steps)
-    return {steps[0], steps[-1], *a.rollout.peaks[:3], *([a.step] if a.step is not None else [])}
-
-
-def _fig_cdf(a: Analysis) -> Figure:
-    fig, (abs_ax, rel_ax) = _figure(12, 4.5, 2)
-    curves = a.completion.curves
-    if not curves:
-        _empty(abs_ax, "no requests with a request_id")
-        _empty(rel_ax, "")
-        return fig
-    steps = sorted(curves)
-    colors, labelled = _step_colors(steps), _labelled_steps(a, steps)
-    times = dict(
-        zip(a.completion.table["step"].to_pylist(), a.completion.table["rollout_time"].to_pylist(), strict=True)
-    )
-    for step in steps:
-        done = curves[step]
-        frac = np.arange(1, len(done) + 1) / len(done)
-        peak = step in a.rollout.peaks
-        style = {"color": "tab:red" if peak else colors[step], "lw": 2 if peak else 1, "alpha": 0.9}
-        label = f"step {step}" + (" (peak)" if peak else "") if step in labelled else None
-        abs_ax.step(done, frac, where="post", label=label, **style)
-        rollout = times[step] or 1.0
-        rel_ax.step(100 * done / rollout, frac, where="post", **style)
-    for ax in (abs_ax, rel_ax):
-        for q in QUANTILES:
-            ax.axhline(q, color="gray", lw=0.6, ls=":")
-            ax.text(1.0, q, f" {q:.0%}", transform=ax.get_yaxis_transform(), va="center", fontsize=8, color="gray")
-        ax.set_ylabel("share of requests completed")
-        ax.set_ylim(0, 1.02)
-    if a.completion.headline_pct is not None:
-        rel_ax.axvline(a.completion.headline_pct, color="black", lw=0.8, ls="--")
-        rel_ax.text(a.completion.headline_pct, 0.05, f" 80% by {a.completion.headline_pct:.0f}% (median)", fontsize=8)
-    abs_ax.set_xlabel("seconds since the step's rollout started")
-    rel_ax.set_xlabel("% of the step's rollout time")
-    abs_ax.set_title("Request completion per step")
-    rel_ax.set_title("Same, as a share of each step's rollout")
-    if len(steps) > 6:
-        fig.colorbar(_scalar_mappable(steps), ax=rel_ax, label="step")
-    if abs_ax.get_legend_handles_labels()[0]:
-        abs_ax.legend(fontsize=8, loc="lower right")
-    return fig
-
-
-def _scalar_mappable(steps: list[int]):
-    from matplotlib.cm import ScalarMappable
-    from matplotlib.colors import Normalize
-
-    return ScalarMappable(norm=Normalize(min(steps), max(steps)), cmap=colormaps["viridis"])
-
-
-def _fig_rollout(a: Analysis) -> Figure:
-    fig, (ax,) = _figure(10, 4)
-    r = a.rollout
-    if not r.table.num_rows:
-        _empty(ax, "no rollout events")
-        return fig
-    steps, times = r.table["step"].to_pylist(), r.table["rollout_time"].to_pylist()
-    peaks = set(r.peaks)
-    colors = ["tab:red" if s in peaks else "tab:blue" for s in steps]
-    ax.bar([str(s) for s in steps], times, color=colors)
-    ax.axhline(r.median, color="black", lw=0.8, ls="--", label=f"median {r.median:.1f} s")
-    ax.axhline(r.threshold, color="tab:red", lw=0.8, ls=":", label=f"peak threshold {r.threshold:.1f} s")
-    for i, (s, t) in enumerate(zip(steps, times, strict=True)):
-        if s in peaks:
-            ax.annotate(f"{t / r.median:.1f}×", (i, t), ha="center", va="bottom", color="tab:red", fontsize=9)
-    ax.set_xlabel("step")
-    ax.set_ylabel("rollout time (s)")
-    ax.set_title("Rollout time per step (peaks in red)")
-    ax.legend(fontsize=8)
-    _thin_ticks(ax, len(steps))
-    return fig
-
-
-def _thin_ticks(ax, n: int, most: int = 30) -> None:
-    if n > most:
-        every = math.ceil(n / most)
-        for i, label in enumerate(ax.get_xticklabels()):
-            label.set_visible(i % every == 0)
-
-
-def _fig_workers(a: Analysis) -> Figure | None:
-    w = a.workers
-    if w is None:
-        return None
-    fig, (bars, cdf) = _figure(12, 4.5, 2)
-    ids = w.table["workid"].to_pylist()
-    busy, wait = w.table["busy"].to_numpy(), w.table["wait"].to_numpy()
-    names = [str(i) for i in ids]
-    colors = ["tab:red" if i == w.straggler else "tab:blue" for i in ids]
-    bars.bar(names, busy, color=colors)
-    bars.bar(names, wait, bottom=busy, color="lightgray", hatch="//")
-    legend = [
-        Patch(color="tab:blue", label="busy"),
-        Patch(color="tab:red", label=f"busy, straggler (worker {w.straggler})"),
-        Patch(facecolor="lightgray", hatch="//", label="barrier wait"),
-    ]
-    bars.set_xlabel("rollout worker")
-    bars.set_ylabel("seconds")
-    bars.set_title(f"Step {w.step}: busy + barrier wait per worker")
-    bars.legend(handles=legend, fontsize=8)
-    _worker_cdf(cdf, w)
-    return fig
-
-
-def _worker_cdf(ax, w) -> None:
-    others = [c for i, c in enumerate(colormaps["tab10"].colors) if i != 3]  # 3 is red: the straggler's
-    for n, (worker, done) in enumerate(w.completions.items()):
-        if not len(done):
-            continue
-        strag = worker == w.straggler
-        frac = np.arange(1, len(done) + 1) / len(done)
-        color = "tab:red" if strag else others[n % len(others)]
-        label = f"worker {worker}" + (" (straggler)" if strag else "")
-        ax.step(done, frac, where="post", lw=2 if strag else 1, color=color, label=label)
-    for row in w.table.to_pylist():
-        if row["gap_flagged"]:
-            done = w.completions[row["workid"]]
-            y = (np.searchsorted(done, row["gap_from"], side="right")) / len(done)
-            ax.annotate(
-                "", (row["gap_to"], y), (row["gap_from"], y), arrowprops={"arrowstyle": "<->", "color": "black"}
-            )
-            text = f"worker {row['workid']}: {row['gap']:.0f} s without a completion"
-            ax.text((row["gap_from"] + row["gap_to"]) / 2, y + 0.02, text, ha="center", va="bottom", fontsize=8)
-    ax.set_xlabel("seconds since the step's rollout started")
-    ax.set_ylabel("share of the worker's requests completed")
-    ax.set_title(f"Step {w.step}: completion per worker")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7, ncol=2 if len(w.completions) > 8 else 1, loc="lower right")
-    else:
-        _empty(ax, "no requests with a request_id")
-
-
-def _fig_slowest(a: Analysis) -> Figure | None:
-    if not a.slowest:
-        return None
-    rows = []  # (label, events)
-    separators = []
-    for r in a.slowest:
-        if rows:
-            separators.append(len(rows) - 0.5)
-        by_turn: dict[Any, list] = {}
-        for e in r.events:
-            by_turn.setdefault(e["turn"] if e["turn"] is not None else 0, []).append(e)
-        for turn in sorted(by_turn, key=lambda t: (t is None, t)):
-            label = f"{_short(r.request_id)} · w{r.workid}" + (f" · turn {turn}" if turn else "")
-            rows.append((label, by_turn[turn]))
-    fig, (ax,) = _figure(12, max(3.0, 0.3 * len(rows) + 1.5))
-    names = sorted({e["event"] for _, events in rows for e in events})
-    palette = colormaps["tab20"]
-    colors = {n: palette(i % 20) for i, n in enumerate(names)}
-    for y, (_, events) in enumerate(rows):
-        for e in events:
-            container = e["event"] in _OUTLINED
-            ax.barh(
-                y, max(e["end"] - e["start"], 1e-3), left=e["start"], height=0.8 if not container else 0.95,
-                color="none" if container else colors[e["event"]], edgecolor=colors[e["event"]], lw=0.8,
-            )  # fmt: skip
-    for y in separators:
-        ax.axhline(y, color="gray", lw=0.5)
-    ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds since the request started")
-    ax.set_title(f"Slowest requests of step {a.slowest[0].step}: events by turn")
-    handles = [Patch(facecolor="none" if n in _OUTLINED else colors[n], edgecolor=colors[n], label=n) for n in names]
-    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    return fig
-
-
-def _short(text: str, most: int = 14) -> str:
-    return text if len(text) <= most else text[: most - 1] + "…"
-
-
-def _fig_shares(a: Analysis, top: int = 6) -> Figure:
-    fig, (bars, lines) = _figure(12, 4.5, 2)
-    table = a.shares.table
-    if not table.num_rows:
-        _empty(bars, "no events to share")
-        _empty(lines, "")
-        return fig
-    shown = table.slice(0, 12)
-    bars.barh(shown["event"].to_pylist(), 100 * shown["mean_share"].to_numpy(), color="tab:blue")
-    bars.invert_yaxis()
-    bars.set_xlabel("average % of a worker's step (busy + barrier wait)")
-    bars.set_title("Event share, averaged over worker-steps")
-    per_step = a.shares.per_step.to_pydict()
-    for event in table["event"].to_pylist()[:top]:
-        points = [
-            (s, v) for s, e, v in zip(per_step["step"], per_step["event"], per_step["share"], strict=True) if e == event
-        ]
-        lines.plot([p[0] for p in points], [100 * p[1] for p in points], marker=".", label=event)
-    lines.set_xlabel("step")
-    lines.xaxis.set_major_locator(MaxNLocator(integer=True))
-    lines.set_ylabel("% of a worker's step")
-    lines.set_title(f"Top {min(top, table.num_rows)} events per step")
-    lines.legend(fontsize=8)
-    return fig
-
-
-def _fig_turns(a: Analysis) -> Figure:
-    fig, (per_turn, by_count, dist) = _figure(15, 4.5, 3)
-    t = a.turns
-    if not t.by_turn.num_rows:
-        _empty(per_turn, "no generate events")
-    else:
-        data = t.by_turn.to_pydict()
-        for turn in sorted(set(data["turn"])):
-            pts = [
-                (s, m) for s, k, m in zip(data["step"], data["turn"], data["mean_generate"], strict=True) if k == turn
-            ]
-            per_turn.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=f"turn {turn}")
-        per_turn.set_xlabel("step")
-        per_turn.xaxis.set_major_locator(MaxNLocator(integer=True))
-        per_turn.set_ylabel("mean generate time (s)")
-        per_turn.set_title("Engine time per turn index")
-        per_turn.legend(fontsize=7)
-    if not t.by_count.num_rows:
-        _empty(by_count, "no requests")
-    else:
-        by_count.bar([str(k) for k in t.by_count["turns"].to_pylist()], t.by_count["mean_duration"].to_numpy())
-        by_count.set_xlabel("turns in the request")
-        by_count.set_ylabel("mean request time (s)")
-        by_count.set_title("Request time by number of turns")
-    _turn_distribution(dist, t.distribution)
-    return fig
-
-
-def _turn_distribution(ax, table: pa.Table) -> None:
-    if not table.num_rows:
-        _empty(ax, "no requests")
-        return
-    data = table.to_pydict()
-    steps = sorted(set(data["step"]))
-    counts = sorted(set(data["turns"]))
-    share = {(s, k): v for s, k, v in zip(data["step"], data["turns"], data["share"], strict=True)}
-    bottom = np.zeros(len(steps))
-    cmap = colormaps["plasma"]
-    for i, k in enumerate(counts):
-        values = np.array([100 * share.get((s, k), 0.0) for s in steps])
-        ax.bar([str(s) for s in steps], values, bottom=bottom, label=f"{k} turns", color=cmap(i / max(len(counts), 2)))
-        bottom += values
-    ax.set_xlabel("step")
-    ax.set_ylabel("% of requests")
-    ax.set_title("Turns per request, per step")
-    ax.legend(fontsize=7)
-    _thin_ticks(ax, len(steps))
-
-
-def _fig_tail(a: Analysis) -> Figure:
-    fig, (caps, drops) = _figure(12, 4.5, 2)
-    tail = a.tail
-    if not tail.caps.num_rows:
-        _empty(caps, tail.note or "no token counts")
-    else:
-        data = tail.caps.to_pydict()
-        caps.plot(data["length"], data["saved_pct"], marker="o")
-        for x, y, tr in zip(data["length"], data["saved_pct"], data["truncated_share"], strict=True):
-            caps.annotate(f"{tr:.1%} cut", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-        caps.set_xlabel("max_response_length (tokens)")
-        caps.set_ylabel("estimated rollout time saved (%)")
-        caps.set_title("Capping the response length")
-    data = tail.oversample.to_pydict()
-    if data["drop"]:
-        drops.bar([f"{d:.0%}" for d in data["drop"]], data["saved_pct"], color="tab:green")
-        for i, (y, extra) in enumerate(zip(data["saved_pct"], data["extra_requests_pct"], strict=True)):
-            drops.annotate(f"+{extra:.0f}% requests", (i, y), ha="center", va="bottom", fontsize=8)
-    drops.set_xlabel("oversample and drop the slowest")
-    drops.set_ylabel("estimated rollout time saved (%)")
-    drops.set_title("Oversampling")
-    return fig
-
-
-def _fig_trainer(a: Analysis) -> Figure | None:
-    if a.trainer is None:
-        return None
-    fig, (ax,) = _figure(10, 4)
-    data = a.trainer.to_pydict()
-    steps = [str(s) for s in data.pop("step")]
-    bottom = np.zeros(len(steps))
-    for name, values in data.items():
-        ax.bar(steps, values, bottom=bottom, label=name)
-        bottom += np.asarray(values, dtype=float)
-    ax.set_xlabel("step")
-    ax.set_ylabel("seconds")
-    ax.set_title("Trainer phases per step")
-    ax.legend(fontsize=7)
-    _thin_ticks(ax, len(steps))
-    return fig
 
 
 # --- sections ---------------------------------------------------------------------------------
@@ -430,6 +115,13 @@ def _s_read(logs: Logs) -> _Section:
     return _Section("Logs", text)
 
 
+def _s_read(logs: Logs) -> _Section:
+    text = [logs.summary() + "."]
+    if logs.line_by_line:
+        text.append(f"{len(logs.line_by_line)} files were read line by line (mixed types or garbage).")
+    return _Section("Logs", text)
+
+
 def _s_completion(a: Analysis, images) -> _Section:
     c = a.completion
     text = ["A request completes with its last event; times count from the step's first rollout-side event."]
@@ -441,10 +133,11 @@ def _s_completion(a: Analysis, images) -> _Section:
 def _s_rollout(a: Analysis, images) -> _Section:
     r = a.rollout
     text = [
-        f"Median rollout time {r.median:.1f} s; a step is a peak above {r.threshold:.1f} s "
-        f"(median + 3 MAD, MAD at least 5% of the median, and more than 1.25× the median)."
+        f"Median rollout time {units.duration(r.median)}; a step is a peak above {units.duration(r.threshold)} "
+        f"(median + {PEAK_MADS:g} MAD, MAD at least {MAD_FLOOR:.0%} of the median, and more than "
+        f"{PEAK_RATIO:g}× the median).",
+        f"Peaks: {', '.join(map(str, r.peaks))}." if r.peaks else "No peaks.",
     ]
-    text.append(f"Peaks: {', '.join(map(str, r.peaks))}." if r.peaks else "No peaks.")
     return _Section("Rollout time per step", text, [_table("Per step", r.table)], images.get("rollout_time"))
 
 
@@ -452,33 +145,59 @@ def _s_workers(a: Analysis, images) -> _Section | None:
     w = a.workers
     if w is None:
         return None
-    text = [
-        f"Step {w.step} (rollout {w.rollout_time:.1f} s). Straggler: worker {w.straggler}, "
-        f"busy {w.straggler_busy:.1f} s; the others waited {w.mean_wait_others:.1f} s on average, "
-        f"{w.max_wait_others:.1f} s at most.",
-        "A gap is flagged when no request finished for longer than max(10 s, 5× the worker's median gap between "
-        "completions, 20% of the rollout).",
-    ]
+    text = [f"Step {w.step} (rollout {units.duration(w.rollout_time)})."]
+    if w.balanced is None:
+        text.append("One rollout worker: nothing to compare it with, so no straggler and no barrier to wait at.")
+    else:
+        who = "no straggler" if w.straggler is None else f"the straggler is worker {w.straggler}"
+        text.append(
+            f"The straggler is the worker the others waited for (least barrier wait, then latest last completion); "
+            f"it is named when the others' median wait exceeds its own by more than max({units.duration(LAG_MIN_S)}, "
+            f"{LAG_ROLLOUT:.0%} of the rollout) = {units.duration(w.threshold)}. Here they waited "
+            f"{units.duration(w.lag)} longer: {who}."
+        )
+    text.append(
+        f"A gap is flagged when no request finished for longer than max({units.duration(GAP_MIN_S)}, "
+        f"{GAP_FACTOR:g}× the worker's median gap between completions, {GAP_ROLLOUT:.0%} of the rollout)."
+    )
     return _Section(f"Workers on step {w.step}", text, [_table("Per worker", w.table)], images.get("workers"))
 
 
 def _s_slowest(a: Analysis, images) -> _Section | None:
-    if not a.slowest:
-        return None
+    """The chosen step's slowest requests event by event, then the outliers of every step."""
     text, tables = [], []
     for r in a.slowest:
-        line = f"{r.request_id} on worker {r.workid}: {r.duration:.1f} s, started {r.start:.1f} s into the rollout"
+        line = (
+            f"{r.request_id} on worker {r.workid}: {units.duration(r.duration)}, started "
+            f"{units.duration(r.start)} into the rollout"
+        )
         if r.dominant_event:
-            line += f"; {r.dominant_event} took {r.dominant_seconds:.1f} s of it"
+            line += f"; {r.dominant_event} took {units.duration(r.dominant_seconds)} of it"
         text.append(line + ".")
         rows = [
-            [e["event"], _cell(e["turn"]), _cell(e["start"]), _cell(e["end"]), _cell(e["duration"]), _attrs(e["attrs"])]
+            [e["event"], _cell(e["turn"]), *(_cell(e[k], k) for k in ("start", "end", "duration")), _attrs(e["attrs"])]
             for e in r.events[:_MAX_EVENT_ROWS]
         ]
         more = len(r.events) - _MAX_EVENT_ROWS
         caption = f"{r.request_id} (times from the request's start)" + (f"; {more} more events" if more > 0 else "")
         tables.append(_Table(caption, ["event", "turn", "start", "end", "duration", "attributes"], rows))
-    return _Section(f"Slowest requests of step {a.slowest[0].step}", text, tables, images.get("slowest_requests"))
+    outliers = a.outliers.table
+    text.append(
+        f"Event outliers, all steps: spans whose time is above both median + {OUTLIER_MADS:g} MAD and "
+        f"{OUTLIER_RATIO:g}× the median of their own event (per generated token for events whose spans all "
+        f"carry tokens_out), by more than {units.duration(OUTLIER_MIN_S)} (events with at least "
+        f"{OUTLIER_MIN_SPANS} spans; barrier waits are left out); `usual` is what the median gives for the "
+        f"span: {outliers.num_rows or 'none'}."
+    )
+    if outliers.num_rows:
+        caption = "Event outliers, largest excess first" + (
+            f" (first {_MAX_OUTLIER_ROWS} of {outliers.num_rows})" if outliers.num_rows > _MAX_OUTLIER_ROWS else ""
+        )
+        tables.append(_table(caption, outliers.slice(0, _MAX_OUTLIER_ROWS)))
+    if not a.slowest and not outliers.num_rows:
+        return None
+    title = f"Slowest requests of step {a.slowest[0].step}" if a.slowest else "Slow events"
+    return _Section(title, text, tables, images.get("slowest_requests"))
 
 
 def _attrs(attrs: dict) -> str:
@@ -488,21 +207,25 @@ def _attrs(attrs: dict) -> str:
 def _s_shares(a: Analysis, images) -> _Section:
     s = a.shares
     text = [
-        "For each rollout worker and step, T = busy time + barrier wait; an event's time is the union of its "
-        "spans on that worker (concurrent requests count once); its share is that time / T, averaged over "
-        f"{s.pairs} worker-steps (0 where absent). Containers left out: {', '.join(s.containers) or 'none'}."
+        "For each rollout worker and step, T = busy time + barrier wait. Each instant of T is split evenly among "
+        "the spans open at it (a worker runs many requests at once), so the events' shares add up to 100% with "
+        f"{OTHER} (time no event covered); averaged over {s.pairs} worker-steps (0 where absent). Containers, "
+        f"whose time is their children's, are left out: {', '.join(s.containers) or 'none'}."
     ]
     return _Section("Event shares", text, [_table("Avg % of total time", s.table)], images.get("event_share"))
 
 
 def _s_turns(a: Analysis, images) -> _Section:
     t = a.turns
+    by_turn = _pivot(t.by_turn, "step", "turn", "mean_generate", "turn ")
     tables = [
         _table("Mean request time by number of turns", t.by_count),
+        _table("Mean generate time by step and turn index", by_turn, kind="time"),
         _table(
-            "Mean generate time by step and turn index", _pivot(t.by_turn, "step", "turn", "mean_generate", "turn ")
+            "Share of requests by number of turns",
+            _pivot(t.distribution, "step", "turns", "share", "", " turns"),
+            kind="share",
         ),
-        _table("Share of requests by number of turns", _pivot(t.distribution, "step", "turns", "share", "", " turns")),
     ]
     text = ["A request's turns are its `turns` attribute, else its number of generate events."]
     return _Section("Turns", text, tables, images.get("turns"))
@@ -510,7 +233,7 @@ def _s_turns(a: Analysis, images) -> _Section:
 
 def _s_tail(a: Analysis, images) -> _Section:
     t = a.tail
-    text = [f"Total rollout time over the steps: {t.total_rollout:.1f} s."]
+    text = [f"Total rollout time over the steps: {units.duration(t.total_rollout)}."]
     if t.note:
         text.append(f"Response length caps not estimated: {t.note}.")
     text.append("Assumptions: " + "; ".join(t.assumptions) + ".")
@@ -524,7 +247,16 @@ def _s_tail(a: Analysis, images) -> _Section:
 def _s_trainer(a: Analysis, images) -> _Section | None:
     if a.trainer is None:
         return None
-    return _Section("Trainer phases (seconds)", [], [_table("Per step", a.trainer)], images.get("trainer"))
+    table = a.trainer.table
+    text = [
+        "`total` is the step's wall time (its `trainer/step` span); each phase column is the phase's exclusive "
+        "time, outside any phase it holds, so the columns and `other` (the step outside every phase) add up "
+        "to `total`."
+    ]
+    if a.trainer.nested:
+        held = "; ".join(f"{k} holds {', '.join(v)}" for k, v in a.trainer.nested.items())
+        text.append(f"Nested phases: {held}.")
+    return _Section("Trainer phases", text, [_table("Per step", table, kind="time")], images.get("trainer"))
 
 
 def _pivot(table: pa.Table, row: str, col: str, value: str, prefix: str = "", suffix: str = "") -> pa.Table:
@@ -540,14 +272,21 @@ def _pivot(table: pa.Table, row: str, col: str, value: str, prefix: str = "", su
 # --- rendering --------------------------------------------------------------------------------
 
 
-def _table(caption: str, table: pa.Table) -> _Table:
+def _table(caption: str, table: pa.Table, kind: str | None = None) -> _Table:
+    """Cells as text. Columns say what they hold by name ("busy", "t80_s", "share"); a pivot or
+    the trainer table, whose columns are named for steps or phases, passes the ``kind`` of
+    every column but its first."""
     data = table.to_pydict()
     names = list(data)
-    rows = [[_cell(data[n][i], n) for n in names] for i in range(table.num_rows)]
+    kinds = {n: "time" if n in _TIME_COLUMNS or n.endswith("_s") else n for n in names}
+    if kind is not None:
+        kinds.update(dict.fromkeys(names[1:], kind))
+    rows = [[_cell(data[n][i], kinds[n]) for n in names] for i in range(table.num_rows)]
     return _Table(caption, names, rows)
 
 
-def _cell(value: Any, name: str = "") -> str:
+def _cell(value: Any, kind: str = "") -> str:
+    """``kind``: "time" for seconds, else the column's name, which says what else it holds."""
     if value is None:
         return ""
     if isinstance(value, bool):
@@ -555,10 +294,12 @@ def _cell(value: Any, name: str = "") -> str:
     if isinstance(value, float):
         if math.isnan(value):
             return ""
-        if name.endswith("_pct"):
+        if kind == "time" or kind in _TIME_COLUMNS:
+            return units.duration(value)
+        if kind.endswith("_pct"):
             return f"{value:.1f}%"
-        if "share" in name:
-            return f"{value:.1%}"
+        if "share" in kind:
+            return units.share(value)
         return f"{value:.2f}" if abs(value) < 1e5 else f"{value:.0f}"
     return str(value)
 
