@@ -115,8 +115,10 @@ def skip_dump(role, config, store, step, call, result):
     """Persist the result of a call that ran on an eligible step.
 
     Runs in a background thread after the decorated function returned;
-    ``SkipManager.flush()`` waits for it. Exceptions become warnings: a failed dump never
-    kills training.
+    ``SkipManager.flush()`` waits for it. Until it has run, a lookup of this step's entry in
+    ``store`` (``store.entry``, ``store.nearest``) waits for it, so the next call sees the
+    dump as if it had been written synchronously. Exceptions become warnings and make that
+    lookup a miss: a failed dump never kills training.
     """
 
 
