@@ -5,6 +5,7 @@ exception nothing."""
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,13 +18,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from skip_core import encoding, spans
-from skip_core.cli import _compose, cli
+from skip_core.cli import cli
 from skip_core.config import ConfigError
 from skip_core.store import scan
 from skip_plugin_profiling.recorder import ProfilingWarning, Recorder
-from test_rollout import SMALL  # the small embedded task every rollout test uses
-
-CONFIGS = Path(__file__).parent.parent / "configs"
+from skip_plugin_trainer.commands import compose_config
+from skiptests import CONFIGS, SMALL
 
 
 @pytest.fixture(autouse=True)
@@ -91,7 +91,7 @@ def _end(row: dict) -> float:
 
 def test_a_training_run_profiles_the_driver_and_every_rollout_worker(ray_session, tiny_model_dir, tmp_path):
     from rich.console import Console
-    from skip_core.trainer import run
+    from skip_plugin_trainer.train.trainer import run
 
     overrides = [
         *SMALL, f"task.dir={tiny_model_dir.parent}", "trainer.total_training_steps=1", "trainer.val_before_train=false",
@@ -100,7 +100,7 @@ def test_a_training_run_profiles_the_driver_and_every_rollout_worker(ray_session
         f"trainer.default_local_dir={tmp_path / 'run'}", "skip.rollout.enable=true",
         f"skip.rollout.dump_dir={tmp_path / 'cache'}", "profiling.enable=true",
     ]  # fmt: skip
-    run(_compose(CONFIGS, "run", tuple(overrides)), Console(record=True, width=200))
+    run(compose_config(CONFIGS, "run", tuple(overrides)), Console(record=True, width=200))
     step = tmp_path / "run" / "profile" / "step_1"
     assert sorted(p.name for p in step.iterdir()) == ["worker_-1.jsonl", "worker_0.jsonl", "worker_1.jsonl"]
 
@@ -276,7 +276,7 @@ def test_profiling_enabled_without_the_plugin_says_what_to_install(monkeypatch):
 
 def test_tool_calls_and_tool_rewards_nest_in_their_turns_and_requests(tiny_model_dir, tmp_path):
     """A scripted model (calls the calculator twice, then answers) with real tools and agent loop."""
-    from test_agent_loop import ScriptedBackend, call, make_loop, prompts
+    from scripted_model import ScriptedBackend, call, make_loop, prompts
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -303,3 +303,19 @@ def test_tool_calls_and_tool_rewards_nest_in_their_turns_and_requests(tiny_model
     generate = [row for row in rows if row["event"] == "generate"]
     assert len(generate) == 18 and {row["extra"]["finish_reason"] for row in generate} == {"stop"}
     assert all(row["extra"]["tokens_out"] > 0 and row["extra"]["tokens_in"] > 0 for row in generate)
+
+
+@pytest.mark.slow  # a real rollout of the embedded default, then the report
+def test_report_of_a_real_rollout(tiny_model_dir, tmp_path):
+    args = [
+        "rollout", "--config-dir", str(CONFIGS), *SMALL, f"task.dir={tiny_model_dir.parent}",
+        "profiling.enable=true", f"profiling.dir={tmp_path / 'profile'}", f"output_dir={tmp_path / 'out'}",
+    ]  # fmt: skip
+    result = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(cli, ["profile", "report", str(tmp_path / "profile")], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    md = (tmp_path / "profile" / "report" / "report.md").read_text()
+    findings = md.split("## Findings", 1)[1].split("\n## ", 1)[0]
+    assert "straggler" not in findings and not re.search(r"(?<![\d.])0(\.0+)? s\b", findings)
+    assert "One rollout worker: nothing to compare" in md

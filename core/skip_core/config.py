@@ -21,6 +21,12 @@ SHIPPED = {
     ("role", "rollout"): "plugins/rollout",
     ("role", "async_rollout"): "plugins/async_rollout",
     ("backend", "hf"): "plugins/hf",
+    ("schedule", "sync"): "plugins/trainer",
+    ("task", "arithmetic"): "plugins/arithmetic",
+    ("command", "run"): "plugins/trainer",
+    ("command", "rollout"): "plugins/trainer",
+    ("command", "profile"): "plugins/profiling",
+    ("command", "cache import-verl"): "plugins/verl",
     ("profiler", "profiling"): "plugins/profiling",
 }
 

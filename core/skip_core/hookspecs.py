@@ -17,6 +17,17 @@ hookspec = pluggy.HookspecMarker("skip")
 hookimpl = pluggy.HookimplMarker("skip")
 
 
+@hookspec(historic=True)
+def skip_add_hookspecs(add):
+    """Add hook specs of a plugin's own: call ``add(module)`` with the module that declares them.
+
+    Historic, as pytest's ``pytest_addhooks``: a plugin registered after others still adds
+    its specs, and implementations registered before them are checked then. The trainer adds
+    its tools, tool parsers, tasks and rewards this way; every ``skip_register_<kind>(register)``
+    hook added joins ``skip_core.plugins.registry()`` and ``skip plugins``.
+    """
+
+
 @hookspec
 def skip_register_roles(register):
     """Register skip roles: call ``register(Role(...))`` once per role this plugin provides.
@@ -41,43 +52,6 @@ def skip_register_schedules(register):
     """Register trainer schedules: call ``register(name, factory)``.
 
     ``factory(config) -> skip_core.schedule.Schedule``; ``trainer.schedule=<name>`` selects it.
-    """
-
-
-@hookspec
-def skip_register_tools(register):
-    """Register agent-loop tools: call ``register(name, factory)``.
-
-    ``factory(config: dict) -> skip_core.tools.Tool`` builds the tool from its entry in the
-    tools YAML (``rollout.multi_turn.tools_config``); a sample uses the tools named in its
-    ``extra_info.tools_kwargs``.
-    """
-
-
-@hookspec
-def skip_register_tool_parsers(register):
-    """Register parsers of tool calls in model output: call ``register(name, factory)``.
-
-    ``factory() -> skip_core.tools.ToolParser``; ``rollout.multi_turn.format=<name>``
-    selects one (``hermes`` is core's default).
-    """
-
-
-@hookspec
-def skip_register_tasks(register):
-    """Register tasks: call ``register(task)`` with a ``skip_core.tasks.Task``.
-
-    ``task.name=<name>`` selects one; it provides data, optionally a model, and the score.
-    """
-
-
-@hookspec
-def skip_register_rewards(register):
-    """Register rule-based reward functions: call ``register(name, fn)``.
-
-    ``fn(data_source, solution_str, ground_truth, extra_info) -> float`` scores one decoded
-    response (verl's ``compute_score`` signature); ``reward.function=<name>`` selects one.
-    Core registers ``task``, which dispatches on ``data_source`` to the registered task.
     """
 
 

@@ -1,37 +1,32 @@
-"""Plugin loading: core's default plugins plus installed distributions of the ``skip`` group.
+"""Plugin loading: core's default hook implementations plus installed distributions of the ``skip`` group.
 
 ``SKIP_PLUGINS=dist-a,dist-b`` restricts which installed distributions load; an empty
-string loads none. Default plugins (inside core) always load.
+string loads none. Core's own defaults (the ``cache``/``repeat`` actions) always load.
+
+Registration hooks are every hook named ``skip_register_<kind>(register)``: core's own
+(roles, backends, schedules) and those a plugin adds with ``skip_add_hookspecs`` (the
+trainer adds tools, tool parsers, tasks and rewards). ``registry()`` calls them all and
+remembers which plugin registered each name.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from importlib.metadata import entry_points
+from importlib.metadata import entry_points, version
 from typing import Any
 
 import pluggy
 
-from skip_core import hookspecs
-
-DEFAULT_PLUGINS = (
-    "skip_core.caching",
-    "skip_core.tools",
-    "skip_core.calculator",
-    "skip_core.arithmetic",
-    "skip_core.reward",
-    "skip_core.sync",
-)
+from skip_core import caching, hookspecs
 
 pm = pluggy.PluginManager("skip")
 pm.add_hookspecs(hookspecs)
 
-# plugin name -> (distribution, version); default plugins map to skip-core.
+REGISTER = "skip_register_"
+# plugin name -> (distribution, version)
 _distributions: dict[str, tuple[str, str]] = {}
 _loaded = False
 
@@ -46,73 +41,62 @@ def load_plugins() -> pluggy.PluginManager:
     if _loaded:
         return pm
     _loaded = True
-    for name in DEFAULT_PLUGINS:
-        pm.register(importlib.import_module(name), name=name)
-        _distributions[name] = ("skip-core", _version("skip-core"))
+    pm.register(caching, name="skip_core.caching")
+    _distributions["skip_core.caching"] = ("skip-core", version("skip-core"))
+    # Historic: a plugin registered later still gets to add its hook specs.
+    pm.hook.skip_add_hookspecs.call_historic(kwargs={"add": _add_hookspecs})
     allowed = os.environ.get("SKIP_PLUGINS")
     wanted = None if allowed is None else {_normalize(d) for d in allowed.split(",") if d}
     for ep in entry_points(group="skip"):
         dist = ep.dist.name if ep.dist else ep.name
-        if wanted is not None and _normalize(dist) not in wanted:
-            continue
-        if pm.has_plugin(ep.name):
+        if (wanted is not None and _normalize(dist) not in wanted) or pm.has_plugin(ep.name):
             continue
         try:
-            plugin = ep.load()
-            pm.register(plugin, name=ep.name)
+            pm.register(ep.load(), name=ep.name)
         except Exception as exc:
-            warnings.warn(
-                f"skip: plugin distribution {dist!r} failed to load and is skipped: {exc!r}",
-                stacklevel=2,
-            )
+            warnings.warn(f"skip: plugin distribution {dist!r} failed to load and is skipped: {exc!r}", stacklevel=2)
             continue
         _distributions[ep.name] = (dist, ep.dist.version if ep.dist else "?")
     return pm
 
 
-def _version(dist: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return "?"
+def _add_hookspecs(module: Any) -> None:
+    """``pm.add_hookspecs``, once per module: plugins load again after ``_reset_for_tests``."""
+    names = [name for name in dir(module) if name.startswith("skip_")]
+    if any(getattr(getattr(pm.hook, name, None), "spec", None) is None for name in names):
+        pm.add_hookspecs(module)
 
 
-@dataclass
 class Registry:
-    """What the loaded plugins registered, and which plugin registered each name."""
+    """What the loaded plugins registered, by kind (``registry().roles``, ``.tools`` ...), and who registered it."""
 
-    roles: dict[str, Any] = field(default_factory=dict)
-    backends: dict[str, Callable] = field(default_factory=dict)
-    schedules: dict[str, Callable] = field(default_factory=dict)
-    tools: dict[str, Callable] = field(default_factory=dict)
-    tool_parsers: dict[str, Callable] = field(default_factory=dict)
-    tasks: dict[str, Any] = field(default_factory=dict)
-    rewards: dict[str, Callable] = field(default_factory=dict)
-    provider: dict[tuple[str, str], str] = field(default_factory=dict)
+    def __init__(self) -> None:
+        self.kinds: dict[str, dict[str, Any]] = {}
+        self.provider: dict[tuple[str, str], str] = {}
+
+    def __getattr__(self, kind: str) -> dict[str, Any]:
+        if kind.startswith("_"):
+            raise AttributeError(kind)
+        return self.kinds.get(kind, {})
 
 
 def registry() -> Registry:
     """Call every registration hook, attributing each registered name to its plugin."""
     load_plugins()
     reg = Registry()
-    for kind, hook in (
-        ("roles", pm.hook.skip_register_roles),
-        ("backends", pm.hook.skip_register_backends),
-        ("schedules", pm.hook.skip_register_schedules),
-        ("tools", pm.hook.skip_register_tools),
-        ("tool_parsers", pm.hook.skip_register_tool_parsers),
-        ("tasks", pm.hook.skip_register_tasks),
-        ("rewards", pm.hook.skip_register_rewards),
-    ):
+    for hook_name in sorted(vars(pm.hook)):
+        hook = getattr(pm.hook, hook_name)
+        if not hook_name.startswith(REGISTER) or hook.spec is None or "register" not in hook.spec.argnames:
+            continue
+        kind = hook_name[len(REGISTER) :]
+        reg.kinds.setdefault(kind, {})
         for impl in hook.get_hookimpls():
             impl.function(register=_registrar(reg, kind, impl.plugin_name))
     return reg
 
 
 def _registrar(reg: Registry, kind: str, plugin: str) -> Callable:
-    table = getattr(reg, kind)
+    table = reg.kinds[kind]
 
     def register(item: Any, factory: Callable | None = None) -> None:
         name = item.name if factory is None else item
@@ -129,17 +113,17 @@ def distribution(plugin: str) -> str:
     return _distributions.get(plugin, (plugin, "?"))[0]
 
 
-def installed() -> list[tuple[str, str, str, Registry]]:
-    """(plugin name, distribution, version, what it registered) for each loaded plugin."""
+def installed() -> list[tuple[str, str, str, dict[str, list[str]]]]:
+    """(plugin name, distribution, version, {kind: names it registered}) for each loaded plugin."""
     reg = registry()
     rows = []
     for name, _ in pm.list_name_plugin():
-        dist, version = _distributions.get(name, (name, "?"))
-        mine = Registry()
+        dist, ver = _distributions.get(name, (name, "?"))
+        mine: dict[str, list[str]] = {}
         for (kind, item), owner in reg.provider.items():
             if owner == name:
-                getattr(mine, kind)[item] = getattr(reg, kind)[item]
-        rows.append((name, dist, version, mine))
+                mine.setdefault(kind, []).append(item)
+        rows.append((name, dist, ver, mine))
     return rows
 
 

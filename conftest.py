@@ -1,0 +1,106 @@
+"""Fixtures and checks shared by every test suite of the repository: ``core/tests``,
+``plugins/*/tests`` and ``tests``."""
+
+import os
+import subprocess
+import tempfile
+
+import pytest
+from hypothesis.configuration import set_hypothesis_home_dir
+from skip_core import SkipManager
+from skip_core.plugins import load_plugins
+from skiptests import ROOT, Generator, HeldDumps
+
+# Python's and pytest's own caches; everything else a test writes belongs in a temporary directory.
+TOOL_CACHES = ("__pycache__/", ".pytest_cache/")
+_TREE = pytest.StashKey[set]()
+
+# hypothesis keeps its example database and constants cache in ./.hypothesis: give it a temporary home.
+_HYPOTHESIS_HOME = tempfile.TemporaryDirectory(prefix="skip-tests-hypothesis-")
+set_hypothesis_home_dir(_HYPOTHESIS_HOME.name)
+
+
+def _tree_files() -> set[str] | None:
+    """Untracked and ignored files of the checkout (the venv aside), or ``None`` outside a git checkout."""
+    command = ["git", "status", "--porcelain", "--ignored", "--untracked-files=all", "--", ".", ":!.venv*"]
+    try:
+        out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return {line[3:] for line in out.splitlines() if not any(cache in line for cache in TOOL_CACHES)}
+
+
+def pytest_sessionstart(session):
+    session.config.stash[_TREE] = _tree_files()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run if the suite left files in the checkout: tests write only under temporary directories."""
+    before = session.config.stash.get(_TREE, None)
+    after = _tree_files() if before is not None else None
+    stray = sorted(after - before) if after is not None else []
+    if stray:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        listing = "\n  ".join(stray[:20]) + (f"\n  ... and {len(stray) - 20} more" if len(stray) > 20 else "")
+        reporter.ensure_newline()
+        reporter.write_line(f"ERROR: the test suite left files in the checkout:\n  {listing}", red=True, bold=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(autouse=True)
+def _fresh_manager():
+    SkipManager.reset()
+    yield
+    SkipManager.reset()
+
+
+@pytest.fixture
+def generator() -> Generator:
+    return Generator()
+
+
+@pytest.fixture
+def held_dumps():
+    """``held_dumps(steps, fail=False)`` registers a ``HeldDumps`` for this test; all are released at the end."""
+    pm = load_plugins()
+    made = []
+
+    def hold(steps, fail: bool = False) -> HeldDumps:
+        made.append(HeldDumps(steps, fail))
+        pm.register(made[-1])
+        return made[-1]
+
+    yield hold
+    for held in made:
+        for gate in held.gates.values():
+            gate.set()
+    SkipManager.flush()
+    for held in made:
+        pm.unregister(held)
+
+
+@pytest.fixture(params=[0o022, 0o027, 0o077], ids=lambda m: f"umask{m:03o}")
+def umask(request):
+    """Each test using it runs under umask 022, 027 and 077."""
+    previous = os.umask(request.param)
+    yield request.param
+    os.umask(previous)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The embedded default model and tokenizer, built once per session with a token warm-up."""
+    from skip_plugin_arithmetic.task import ArithmeticTask
+
+    options = {"train_size": 64, "val_size": 8, "warmup_steps": 5}
+    return ArithmeticTask().prepare(tmp_path_factory.mktemp("embedded"), options, progress=False).model_path
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for every in-process training test, shut down at the end of the session."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()

@@ -1,0 +1,93 @@
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+from skip_core.cli import cli
+from skip_core.store import CacheStore
+from skiptests import NS, corrupt_one_byte, make_batch
+
+
+@pytest.fixture
+def cache(tmp_path):
+    store = CacheStore(tmp_path, NS, role="rollout")
+    for step in (1, 2, 3):
+        store.save(step, make_batch(seed=step))
+    return store
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_plugins_lists_distributions_and_roles():
+    result = invoke("plugins")
+    assert result.exit_code == 0
+    assert "skip-plugin-rollout" in result.output and "async_rollout" in result.output
+
+
+def test_ls_lists_every_entry(cache, tmp_path):
+    result = invoke("cache", "ls", tmp_path)
+    assert result.exit_code == 0
+    assert result.output.count("ok (sizes)") == 3
+    assert "exp_proj/GBS4_N1_in8_out16/2" in result.output
+
+
+def test_verify_passes_a_clean_cache_and_fails_a_corrupt_one(cache, tmp_path):
+    assert invoke("cache", "verify", tmp_path).exit_code == 0
+    corrupt_one_byte(cache.path(2) / "tensors.safetensors")
+    assert invoke("cache", "ls", tmp_path).output.count("ok (sizes)") == 3  # same size: only a hash shows it
+    result = invoke("cache", "verify", tmp_path)
+    assert result.exit_code == 1
+    assert "does not match its recorded hash" in result.output and "1 corrupt entry" in result.output
+
+
+def test_names_from_disk_are_never_read_as_markup(cache, tmp_path):
+    meta = json.loads((cache.path(1) / "meta.json").read_text())
+    meta["role"] = "[/x][bold]evil"
+    (cache.path(1) / "meta.json").write_text(json.dumps(meta))
+    meta = json.loads((cache.path(2) / "meta.json").read_text())
+    meta["version"] = "[/oops]"
+    (cache.path(2) / "meta.json").write_text(json.dumps(meta))
+    result = invoke("cache", "verify", tmp_path)
+    assert result.exit_code == 1
+    assert "[/x][bold]evil" in result.output and "'[/oops]'" in result.output
+    assert invoke("cache", "prune", tmp_path, "--dry-run").exit_code == 0
+
+
+def test_verify_accepts_a_single_step_directory(cache):
+    assert invoke("cache", "verify", cache.path(1)).exit_code == 0
+
+
+def test_prune_removes_corrupt_entries_and_old_leftovers_only(cache, tmp_path):
+    corrupt_one_byte(cache.path(3) / "data.json")
+    old, fresh = cache.directory / ".tmp-4-old", cache.directory / ".tmp-5-fresh"
+    old.mkdir()
+    fresh.mkdir()
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+
+    dry = invoke("cache", "prune", tmp_path, "--dry-run")
+    assert "2 directories to remove" in dry.output and cache.path(3).exists()
+
+    result = invoke("cache", "prune", tmp_path)
+    assert result.exit_code == 0
+    assert sorted(p.name for p in cache.directory.iterdir()) == [".tmp-5-fresh", "1", "2"]
+    assert invoke("cache", "verify", tmp_path).exit_code == 0
+
+
+def test_a_command_of_an_uninstalled_plugin_says_which_distribution_brings_it():
+    env = {**os.environ, "SKIP_PLUGINS": ""}
+    code = "from skip_core.cli import cli; cli()"
+    for args, hint in (
+        (
+            ["run"],
+            r"`skip run` comes with a plugin that is not installed: install skip-plugin-trainer .*\./plugins/trainer",
+        ),
+        (["cache", "import-verl", "x", "y"], r"install skip-plugin-verl .*pip install \./plugins/verl"),
+    ):
+        done = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True)
+        assert done.returncode == 2 and re.search(hint, done.stderr), done.stderr

@@ -1,0 +1,45 @@
+"""What skip writes gets the modes the user's umask gives, as ``open()`` and ``mkdir()`` would."""
+
+import os
+
+import pytest
+from skip_core import files
+from skip_core.config import Namespace
+from skip_core.store import CacheStore
+from skiptests import assert_umask_modes, make_prompts
+
+
+def test_the_umask_is_read_without_changing_it(umask):
+    assert files.current_umask() == umask
+    assert os.umask(umask) == umask
+
+
+def test_a_cache_entry_gets_the_umask_modes(tmp_path, umask):
+    entry = CacheStore(tmp_path, Namespace("exp", "proj"), role="rollout").save(1, make_prompts())
+    assert_umask_modes(entry, umask)
+
+
+def test_files_replaced_atomically_get_the_umask_modes(tmp_path, umask):
+    (tmp_path / "out").mkdir()
+    files.write_atomic(tmp_path / "out" / "metrics.jsonl", b"{}\n")
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["metrics.jsonl"]
+    assert_umask_modes(tmp_path / "out", umask)
+
+
+def test_a_published_directory_gets_the_umask_modes_whatever_its_writers_chose(tmp_path, umask):
+    tmp = tmp_path / ".tmp-1"
+    (tmp / "nested").mkdir(parents=True, mode=0o700)
+    (tmp / "nested" / "weights.safetensors").touch(mode=0o600)
+    os.chmod(tmp, 0o700)
+    files.publish(tmp, tmp_path / "entry")
+    assert_umask_modes(tmp_path / "entry", umask)
+
+
+def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    target = tmp_path / "metrics.jsonl"
+    target.write_text("old")
+    with pytest.raises(RuntimeError), files.replacing(target) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("killed mid-write")
+    assert target.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]

@@ -1,0 +1,176 @@
+"""The embedded default task ``arithmetic``: multi-digit integer arithmetic with a calculator.
+
+Everything is generated locally, so a run works offline from the first command: the train and
+validation parquet files (verl's row shape, tools named per row) and a tiny model warmed up
+to use the ``calculator`` tool (see ``skip_plugin_arithmetic.tiny_model``). The model starts good enough to
+follow the two-turn protocol and often right, so RL has something to improve from:
+
+    user:      What is 482 * 37?
+    assistant: <tool_call>{"name": "calculator", "arguments": {"expression": "482 * 37"}}</tool_call>
+    tool:      17834
+    assistant: Answer: 17834
+
+Options (the ``task`` config section; a missing key takes its default):
+
+- ``seed`` (integer, default 0): the problems, the tokenizer corpus and the model's weights.
+- ``train_size`` (integer >= 1, default 2000), ``val_size`` (integer >= 1, default 64): rows.
+- ``warmup_steps`` (integer >= 0, default 350): supervised steps before RL; 0 leaves the model random.
+
+Assets are built only when missing: after changing an option, delete the task directory
+(or the piece concerned) to rebuild.
+"""
+
+from __future__ import annotations
+
+import operator
+import random
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from skip_core.config import ConfigError
+from skip_core.files import replacing
+from skip_plugin_trainer.tasks import Task, TaskAssets
+
+DATA_SOURCE = "arithmetic"
+OPTIONS = {"seed": (0, 0), "train_size": (2000, 1), "val_size": (64, 1), "warmup_steps": (350, 0)}
+"""Each option's default and smallest allowed value."""
+
+_OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+_ANSWER = re.compile(r"Answer:\s*(-?\d+)(?![.,]?\d)")
+# Warm-up demonstrations come from their own stream so the model never sees the RL prompts.
+_WARMUP_SPLIT = "warmup"
+_WARMUP_PROBLEMS = 4000
+
+
+def problem(rng: random.Random) -> tuple[str, str]:
+    """One expression, ``a op b`` or ``(a op b) op c`` with 2 or 3 digit operands, and its value.
+
+    Operands stay below 1000 because copying long numbers is what a one-minute warm-up of a
+    tiny model cannot teach; products still reach 9 digits, which only the calculator gets right.
+    """
+    a, b = _operand(rng), _operand(rng)
+    op = rng.choice(tuple(_OPERATORS))
+    expression, value = f"{a} {op} {b}", _OPERATORS[op](a, b)
+    if rng.random() < 0.5:
+        c, op = _operand(rng), rng.choice(tuple(_OPERATORS))
+        expression, value = f"({expression}) {op} {c}", _OPERATORS[op](value, c)
+    return expression, str(value)
+
+
+def _operand(rng: random.Random) -> int:
+    digits = rng.randint(2, 3)
+    return rng.randint(10 ** (digits - 1), 10**digits - 1)
+
+
+def problems(split: str, size: int, seed: int) -> list[tuple[str, str]]:
+    # A string seed is hashed the same way in every process, unlike hash(tuple).
+    rng = random.Random(f"{DATA_SOURCE}-{split}-{seed}")
+    return [problem(rng) for _ in range(size)]
+
+
+def prompt(expression: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"What is {expression}?"}]
+
+
+def rows(split: str, size: int, seed: int) -> list[dict[str, Any]]:
+    """Dataset rows shaped like verl's, the calculator enabled per row.
+
+    The ground truth is also passed to the tool's ``create`` so a tool-side reward can use
+    it; a non-empty struct also keeps parquet from dropping the ``tools_kwargs`` column.
+    """
+    return [
+        {
+            "data_source": DATA_SOURCE,
+            "prompt": prompt(expression),
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": answer},
+            "extra_info": {
+                "split": split,
+                "index": index,
+                "tools_kwargs": {"calculator": {"create_kwargs": {"ground_truth": answer}}},
+            },
+        }
+        for index, (expression, answer) in enumerate(problems(split, size, seed))
+    ]
+
+
+def demonstration(expression: str, answer: str) -> list[dict[str, Any]]:
+    """The conversation a rollout should produce for one problem: call the tool, copy its result."""
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
+    return [
+        *prompt(expression),
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "name": "calculator", "content": answer},
+        {"role": "assistant", "content": f"Answer: {answer}"},
+    ]
+
+
+def score(response: str, ground_truth: str) -> float:
+    """1.0 when the last ``Answer: <integer>`` in the response is exactly the ground truth.
+
+    Only the final answer counts, wherever it sits among other text; an answer with a
+    fractional part or digit separators is not an integer answer and scores 0.
+    """
+    answers = _ANSWER.findall(response)
+    return float(bool(answers) and answers[-1] == ground_truth.strip())
+
+
+def parse_options(options: Any) -> dict[str, int]:
+    """The task options with defaults filled in; a bad value is a ``ConfigError`` naming ``task.<key>``."""
+    options = {} if options is None else options
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"task: expected a mapping of options, got {options!r}")
+    parsed = {}
+    for key, (default, least) in OPTIONS.items():
+        value = options.get(key)
+        if value is None:
+            value = default
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConfigError(f"task.{key}: expected an integer >= {least}, got {value!r}")
+        parsed[key] = value
+    return parsed
+
+
+def write_parquet(table_rows: list[Mapping[str, Any]], path: Path) -> None:
+    """Write next to ``path`` then rename, so a reader never sees a half-written file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with replacing(path) as tmp:
+        pq.write_table(pa.Table.from_pylist(list(table_rows)), tmp)
+
+
+class ArithmeticTask(Task):
+    name = "arithmetic"
+    data_sources = (DATA_SOURCE,)
+
+    def prepare(self, directory: Path, options: Any, progress: bool = True) -> TaskAssets:
+        settings = parse_options(options)
+        directory = Path(directory)
+        data = directory / "data"
+        files = {}
+        for split in ("train", "val"):
+            files[split] = data / f"{split}.parquet"
+            if not files[split].exists():
+                write_parquet(rows(split, settings[f"{split}_size"], settings["seed"]), files[split])
+        model = directory / "model"
+        if not model.exists():
+            self._build_model(model, settings, progress)
+        return TaskAssets(train_files=[files["train"]], val_files=[files["val"]], model_path=model)
+
+    def _build_model(self, target: Path, settings: dict[str, int], progress: bool) -> None:
+        from skip_plugin_arithmetic import tiny_model
+        from skip_plugin_arithmetic.calculator import SCHEMA
+
+        seed, steps = settings["seed"], settings["warmup_steps"]
+        log = target.parent / "build.log"
+        if progress:
+            print(f"building the embedded default's model in {target}: {steps} warm-up steps (progress in {log})")
+        conversations = [demonstration(*pair) for pair in problems(_WARMUP_SPLIT, _WARMUP_PROBLEMS, seed)]
+        tiny_model.build(target, conversations, [SCHEMA], steps=steps, seed=seed, progress=progress, log=log)
+
+    def score(self, response: str, ground_truth: str) -> float:
+        return score(response, ground_truth)

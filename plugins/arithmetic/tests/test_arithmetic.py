@@ -1,0 +1,197 @@
+import os
+import shutil
+import time
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from omegaconf import OmegaConf
+from skip_core.config import ConfigError
+from skip_core.plugins import registry
+from skip_plugin_arithmetic import task as arithmetic
+from skip_plugin_arithmetic import tiny_model
+from skip_plugin_arithmetic.calculator import SCHEMA, evaluate
+from skip_plugin_arithmetic.task import ArithmeticTask, parse_options, rows, score
+from skip_plugin_trainer.rollout.chat import ChatFormat
+from skip_plugin_trainer.rollout.tools import HermesParser
+from skiptests import assert_umask_modes
+
+
+def expression(row) -> str:
+    return row["prompt"][0]["content"].removeprefix("What is ").removesuffix("?")
+
+
+def play(model, tokenizer, row, temperature: float = 1.0) -> str:
+    """One rollout of the two-turn protocol with ``generate``, the calculator run in between."""
+    chat, parser = ChatFormat(tokenizer), HermesParser()
+    ids = chat.prompt_ids(row["prompt"], [SCHEMA])
+    start = len(ids)
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {}
+    for _ in range(2):
+        prompt = torch.tensor([ids])
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=48, **sampling)
+        ids += out[0, len(ids) :].tolist()
+        _, calls = parser.parse(tokenizer.decode(out[0, prompt.shape[1] :], skip_special_tokens=True))
+        if not calls:
+            break
+        try:
+            result = evaluate(str(calls[0].arguments.get("expression")))
+        except ValueError as exc:
+            result = str(exc)
+        ids += chat.tool_response_ids([{"role": "tool", "content": result}])
+    return tokenizer.decode(ids[start:], skip_special_tokens=True)
+
+
+def test_problems_are_deterministic_per_seed_and_split():
+    assert rows("train", 50, seed=3) == rows("train", 50, seed=3)
+    assert rows("train", 50, seed=3) != rows("train", 50, seed=4)
+    assert [expression(r) for r in rows("train", 50, 3)] != [expression(r) for r in rows("val", 50, 3)]
+
+
+def test_ground_truths_are_what_the_calculator_says():
+    for row in rows("train", 200, seed=0):
+        assert row["reward_model"]["ground_truth"] == evaluate(expression(row))
+
+
+def test_problems_need_the_calculator():
+    expressions = [expression(r) for r in rows("train", 200, seed=0)]
+    assert {op for e in expressions for op in "+-*" if f" {op} " in e} == set("+-*")
+    assert any(e.startswith("(") for e in expressions) and any(not e.startswith("(") for e in expressions)
+    assert max(len(evaluate(e)) for e in expressions) >= 7
+
+
+def test_rows_are_shaped_like_verl():
+    row = rows("val", 1, seed=0)[0]
+    truth = row["reward_model"]["ground_truth"]
+    assert row == {
+        "data_source": "arithmetic",
+        "prompt": [{"role": "user", "content": f"What is {expression(row)}?"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": truth},
+        "extra_info": {
+            "split": "val",
+            "index": 0,
+            "tools_kwargs": {"calculator": {"create_kwargs": {"ground_truth": truth}}},
+        },
+    }
+
+
+def test_parquet_round_trips_the_rows(tmp_path):
+    data = rows("train", 20, seed=0)
+    arithmetic.write_parquet(data, tmp_path / "train.parquet")
+    assert pq.read_table(tmp_path / "train.parquet").to_pylist() == data
+    assert [p.name for p in tmp_path.iterdir()] == ["train.parquet"]
+
+
+@pytest.mark.parametrize(
+    ("response", "expected"),
+    [
+        ("Answer: 17834", 1.0),
+        ('<tool_call>{"name": "calculator"}</tool_call>tool\n17834assistant\nAnswer: 17834', 1.0),
+        ("I think it is 17834.\nAnswer:17834.", 1.0),
+        ("Answer: 17 then Answer: 17834", 1.0),
+        ("Answer: 17834 no wait Answer: 17833", 0.0),
+        ("17834", 0.0),
+        ("Answer: 178340", 0.0),
+        ("Answer: 17834.5", 0.0),
+        ("Answer: 17,834", 0.0),
+        ("answer: 17834", 0.0),
+        ("", 0.0),
+    ],
+)
+def test_score_is_exact_match_of_the_last_answer(response, expected):
+    assert score(response, "17834") == expected
+
+
+def test_score_reads_negative_answers():
+    assert score("Answer: -42", "-42") == 1.0
+    assert score("Answer: 42", "-42") == 0.0
+
+
+def test_options_default_and_validate():
+    assert parse_options(None) == {"seed": 0, "train_size": 2000, "val_size": 64, "warmup_steps": 350}
+    node = OmegaConf.create({"name": "arithmetic", "dir": "runs/x", "train_size": 10, "seed": None})
+    assert parse_options(node)["train_size"] == 10
+    assert parse_options(node)["seed"] == 0
+    with pytest.raises(ConfigError, match=r"task\.val_size: expected an integer >= 1, got 0"):
+        parse_options({"val_size": 0})
+    with pytest.raises(ConfigError, match=r"task\.warmup_steps: expected an integer >= 0, got 'many'"):
+        parse_options({"warmup_steps": "many"})
+    with pytest.raises(ConfigError, match=r"task: expected a mapping"):
+        parse_options("arithmetic")
+
+
+def test_prepare_is_idempotent_and_rebuilds_only_what_is_missing(tiny_model_dir, tmp_path):
+    directory = tmp_path / "task"
+    shutil.copytree(tiny_model_dir.parent, directory)
+    assets = ArithmeticTask().prepare(directory, {}, progress=False)
+    assert assets.model_path == directory / "model"
+    paths = [*assets.train_files, *assets.val_files, *assets.model_path.iterdir()]
+    stamps = {path: path.stat().st_mtime_ns for path in paths}
+
+    assert ArithmeticTask().prepare(directory, {}, progress=False) == assets
+    assert {path: path.stat().st_mtime_ns for path in paths} == stamps
+
+    (val,) = assets.val_files
+    val.unlink()
+    ArithmeticTask().prepare(directory, {"val_size": 3}, progress=False)
+    assert len(pq.read_table(val).to_pylist()) == 3
+    assert {path: path.stat().st_mtime_ns for path in paths if path != val} == {
+        path: stamp for path, stamp in stamps.items() if path != val
+    }
+
+
+def test_task_is_registered_by_default():
+    task = registry().tasks["arithmetic"]
+    assert isinstance(task, ArithmeticTask)
+    assert task.data_sources == ("arithmetic",)
+    assert task.score("Answer: 5", "5") == 1.0
+
+
+def test_a_demonstration_as_a_rollout_decodes_it_scores_full_marks(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    row = rows("val", 1, seed=0)[0]
+    truth = row["reward_model"]["ground_truth"]
+    conversation = arithmetic.demonstration(expression(row), truth)
+    ids, sampled = tiny_model.conversation_ids(ChatFormat(tokenizer), conversation, [SCHEMA])
+    response = tokenizer.decode(ids[sampled.index(True) :], skip_special_tokens=True)
+    _, calls = HermesParser().parse(response.split("</tool_call>")[0] + "</tool_call>")
+    assert evaluate(calls[0].arguments["expression"]) == truth
+    assert score(response, truth) == 1.0
+
+
+def test_the_model_plays_the_protocol(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    response = play(model, tokenizer, rows("val", 1, seed=0)[0])
+    assert isinstance(response, str) and response
+
+
+@pytest.mark.skipif(not os.environ.get("SKIP_CHECK_WARMUP"), reason="a minute of CPU; set SKIP_CHECK_WARMUP=1")
+def test_default_warm_up_leaves_room_for_rl(tmp_path):
+    """The default model, measured: follows the protocol, and is often but not always right."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    started = time.perf_counter()
+    assets = ArithmeticTask().prepare(tmp_path, {}, progress=False)
+    built = time.perf_counter() - started
+    model = AutoModelForCausalLM.from_pretrained(assets.model_path)
+    tokenizer = AutoTokenizer.from_pretrained(assets.model_path)
+    torch.manual_seed(0)
+    val = rows("val", 64, seed=0)
+    responses = [play(model, tokenizer, row) for row in val]
+    called = sum(f'"expression": "{expression(row)}"' in text for row, text in zip(val, responses, strict=True))
+    right = sum(score(text, row["reward_model"]["ground_truth"]) for row, text in zip(val, responses, strict=True))
+    print(f"built in {built:.0f} s; exact tool call {called / 64:.0%}, right {right / 64:.0%} at temperature 1")
+    assert called / 64 >= 0.5
+    assert 0.2 <= right / 64 <= 0.9
+
+
+def test_generated_data_gets_the_umask_modes(tmp_path, umask):
+    arithmetic.write_parquet([{"a": 1}], tmp_path / "data" / "train.parquet")
+    assert_umask_modes(tmp_path / "data", umask)

@@ -1,0 +1,50 @@
+"""skip-plugin-trainer: the trainer and rollout runtime behind ``skip run`` and ``skip rollout``.
+
+Everything this distribution adds to skip is registered here; the work lives in
+``rollout/`` (the agent loop, tools, chat format, padding, the ``skip rollout`` job),
+``data.py`` and ``train/`` (GRPO math, the policy worker, Ray pools, the ``sync``
+schedule, checkpoints, metrics, rewards). Heavy imports wait until a command runs.
+"""
+
+from __future__ import annotations
+
+from skip_core import hookimpl
+
+from skip_plugin_trainer import hookspecs
+
+
+@hookimpl
+def skip_add_hookspecs(add):
+    add(hookspecs)
+
+
+@hookimpl
+def skip_register_schedules(register):
+    register("sync", _sync)
+
+
+def _sync(config):
+    from skip_plugin_trainer.train.sync import SyncSchedule
+
+    return SyncSchedule()
+
+
+@hookimpl
+def skip_register_tool_parsers(register):
+    from skip_plugin_trainer.rollout.tools import HermesParser
+
+    register("hermes", HermesParser)
+
+
+@hookimpl
+def skip_register_rewards(register):
+    from skip_plugin_trainer.train.reward import score_by_task
+
+    register("task", score_by_task)
+
+
+@hookimpl
+def skip_register_commands(cli):
+    from skip_plugin_trainer import commands
+
+    commands.register(cli)

@@ -1,0 +1,441 @@
+"""The multi-turn agent loop: one state machine per request, many requests in flight.
+
+Each sample of each prompt is a request that moves PENDING -> RUNNING -> (TOOL_CALLING ->
+RUNNING)* -> COMPLETED | FAILED. A RUNNING request checks its length limits, asks the
+backend for one assistant turn, and either ends (no tool call, a length stop, ``max_turns``)
+or runs the turn's tool calls concurrently and goes on. The model's sampled ids are kept as
+they are (loss mask 1, with their log-probs); tool responses are rendered by the chat
+template and masked out (loss mask 0).
+
+A tool that raises or times out answers with the error text, as a real environment would.
+A backend error or timeout fails the request, cancels the rest of the batch and raises
+``RolloutError`` naming the request: a rollout never hangs and never returns half a batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import threading
+import time
+import uuid
+import zlib
+from collections import Counter
+from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt
+from skip_core import spans
+from skip_core.backend import RolloutBackend, SamplingParams
+from skip_core.batch import Batch
+from skip_core.manager import SkipManager
+
+from skip_plugin_trainer.rollout.chat import ChatFormat
+from skip_plugin_trainer.rollout.padding import pad_requests
+from skip_plugin_trainer.rollout.tools import Tool, ToolCall, ToolParser, ToolResponse
+
+T = TypeVar("T")
+
+
+class RolloutError(RuntimeError):
+    """A request failed (backend error or timeout); the batch it belonged to is not returned."""
+
+
+class State(enum.Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    TOOL_CALLING = "tool_calling"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+class Sampling(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    n: PositiveInt = 1
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+
+
+class MultiTurn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_turns: PositiveInt = 4
+    tools_config: str | None = None
+    format: str = "hermes"
+    tool_timeout_s: PositiveFloat = 30.0
+
+
+class LoopConfig(Sampling):
+    """The ``rollout`` section as the agent loop reads it, plus lengths from ``data``.
+
+    ``seed`` makes rollouts reproducible: each turn of each request samples with a seed
+    derived from (seed, step, prompt index, sample offset, turn). ``timeout_s`` bounds one
+    engine call. ``val_kwargs`` replaces the sampling settings when ``meta_info["validate"]``.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+    prompt_length: PositiveInt
+    response_length: PositiveInt
+    max_model_len: PositiveInt | None = None
+    seed: NonNegativeInt | None = 0
+    timeout_s: PositiveFloat = 600.0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    multi_turn: MultiTurn = MultiTurn()
+    val_kwargs: Sampling = Sampling(temperature=0.0)
+
+    @property
+    def model_len(self) -> int:
+        total = self.prompt_length + self.response_length
+        return min(self.max_model_len or total, total)
+
+
+FinishReason = Literal["stop", "length", "max_turns"]
+
+
+@dataclass
+class Request:
+    """One conversation being rolled out; the unit of the state machine."""
+
+    batch_index: int
+    offset: int
+    prompt_ids: list[int]
+    messages: list[dict]
+    tools_kwargs: Mapping[str, Mapping[str, Any]]
+    seed: int | None
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    state: State = State.PENDING
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    tool_rewards: dict[str, float] = field(default_factory=dict)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    def extend(self, ids: Sequence[int], log_probs: Sequence[float] | None) -> None:
+        """Append model tokens (with log-probs, mask 1) or environment tokens (mask 0)."""
+        self.response_ids.extend(ids)
+        self.response_mask.extend([0 if log_probs is None else 1] * len(ids))
+        self.log_probs.extend([0.0] * len(ids) if log_probs is None else log_probs)
+
+
+class AgentLoop:
+    """Rolls out prompt batches on a backend; owns the event loop the backend runs on.
+
+    The loop runs in a daemon thread so synchronous trainers and asyncio callers (streaming
+    rollout, from any event loop) share one engine.
+    """
+
+    def __init__(
+        self,
+        backend: RolloutBackend,
+        tokenizer: Any,
+        config: LoopConfig,
+        tools: Mapping[str, Tool] | None = None,
+        parser: ToolParser | None = None,
+    ) -> None:
+        self.backend, self.tokenizer, self.config = backend, tokenizer, config
+        self.chat = ChatFormat(tokenizer)
+        self.tools = dict(tools or {})
+        self.parser = parser
+        self.rollouts = 0  # batches really generated: a skip cache hit never reaches the loop
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="skip-agent-loop", daemon=True).start()
+
+    # -- public entry points: the units skip roles replace --------------------------------
+
+    @SkipManager.annotate(role="rollout")
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        """Roll out every prompt of the batch (``n`` samples each) and return them padded."""
+        return self._call(self._generate(prompts, sample_key=None))
+
+    @SkipManager.annotate(role="async_rollout")
+    async def generate_sequences_single(self, prompts: Batch, sample_id: str) -> Batch:
+        """Roll out one streamed prompt; ``sample_id`` (``sample_{epoch}_{index}``) seeds it."""
+        future = asyncio.run_coroutine_threadsafe(self._generate(prompts, sample_key=sample_id), self._loop)
+        return await asyncio.wrap_future(future)
+
+    def update_weights(self, state_dict: Mapping[str, Any]) -> None:
+        self._call(self.backend.update_weights(state_dict))
+
+    def sleep(self) -> None:
+        self._call(self.backend.sleep())
+
+    def wake_up(self) -> None:
+        self._call(self.backend.wake_up())
+
+    def shutdown(self) -> None:
+        """Stop the backend, then the loop thread; the agent loop is unusable afterwards."""
+        if self._loop.is_closed():
+            return
+        try:
+            self._call(self.backend.shutdown())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    # -- one batch ----------------------------------------------------------------------
+
+    async def _generate(self, prompts: Batch, sample_key: str | None) -> Batch:
+        self.rollouts += 1
+        validate = bool(prompts.meta_info.get("validate", False))
+        sampling = self.config.val_kwargs if validate else self.config
+        key = sample_key if sample_key is not None else f"step{prompts.meta_info.get('global_steps', 0)}"
+        # A worker given rows [base, base + len) of a split batch seeds them as the whole batch would.
+        base = int(prompts.meta_info.get("index_base", 0))
+        step = int(prompts.meta_info.get("global_steps", 0))
+        with spans.span("rollout", step=step, phase="val" if validate else "train", requests=len(prompts) * sampling.n):
+            rows = [(i, offset) for i in range(len(prompts)) for offset in range(sampling.n)]
+            requests = [self._request(prompts, i, offset, key, base) for i, offset in rows]
+            start = time.perf_counter()
+            await self._run_all(requests, sampling)
+            seconds = time.perf_counter() - start
+            with spans.span("padding", requests=len(requests)):
+                return self._to_batch(requests, seconds, validate)
+
+    def _request(self, prompts: Batch, index: int, offset: int, key: str, base: int) -> Request:
+        with spans.span("preprocess") as span:
+            request = self._build_request(prompts, index, offset, key, base)
+            span.set(request_id=request.request_id, offset=offset, prompt_tokens=len(request.prompt_ids))
+        return request
+
+    def _build_request(self, prompts: Batch, index: int, offset: int, key: str, base: int) -> Request:
+        extras = prompts.non_tensor_batch
+        messages = [dict(m) for m in extras["raw_prompt"][index]]
+        tools_kwargs = _tools_kwargs(extras, index)
+        if "raw_prompt_ids" in extras:
+            prompt_ids = list(extras["raw_prompt_ids"][index])
+        else:
+            schemas = [self.tools[name].schema for name in tools_kwargs if name in self.tools]
+            prompt_ids = self.chat.prompt_ids(messages, schemas)
+        seed = None if self.config.seed is None else _derive_seed(self.config.seed, key, base + index, offset)
+        return Request(index, offset, prompt_ids, messages, tools_kwargs, seed)
+
+    async def _run_all(self, requests: list[Request], sampling: Sampling) -> None:
+        """Run every request; on the first failure cancel the others and raise."""
+        tasks = [asyncio.ensure_future(self._rollout(request, sampling)) for request in requests]
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for task in done:
+            if task.exception() is not None:
+                raise task.exception()
+
+    # -- one request: the state machine -------------------------------------------------
+
+    async def _rollout(self, request: Request, sampling: Sampling) -> None:
+        with spans.span("request", request_id=request.request_id, offset=request.offset) as span:
+            await self._run_request(request, sampling)
+            span.set(
+                turns=request.turns,
+                tool_calls=request.tool_calls,
+                finish_reason=request.finish_reason,
+                prompt_tokens=len(request.prompt_ids),
+                response_tokens=sum(request.response_mask),
+            )
+
+    async def _run_request(self, request: Request, sampling: Sampling) -> None:
+        unknown = [name for name in request.tools_kwargs if name not in self.tools]
+        if unknown:
+            raise RolloutError(f"request {request.batch_index}/{request.offset}: tools {unknown} are not configured")
+        try:
+            await self._lifecycle(request, "create")
+            request.state = State.RUNNING
+            while request.state is State.RUNNING:
+                await self._turn(request, sampling)
+        except (Exception, asyncio.CancelledError) as exc:
+            request.state = State.FAILED
+            request.error = request.error or repr(exc)
+            raise
+        finally:
+            await self._finish_tools(request)
+        self._truncate(request)
+
+    async def _turn(self, request: Request, sampling: Sampling) -> None:
+        """One assistant turn and the tool calls it makes, or the end of the request."""
+        budget = self._budget(request)
+        if request.state is not State.RUNNING:
+            return
+        with spans.span("turn", turn=request.turns + 1):
+            await self._assistant_turn(request, sampling, budget)
+            if request.state is State.TOOL_CALLING:
+                await self._call_tools(request)
+
+    def _budget(self, request: Request) -> int:
+        """Tokens the next turn may generate; completes the request when no turn can start."""
+        if request.turns >= self.config.multi_turn.max_turns:
+            self._complete(request, "max_turns")
+            return 0
+        budget = min(
+            self.config.response_length - len(request.response_ids), self.config.model_len - request.length - 1
+        )
+        if len(request.prompt_ids) > self.config.prompt_length:
+            request.error = (
+                f"prompt of {len(request.prompt_ids)} tokens exceeds prompt_length {self.config.prompt_length}"
+            )
+            raise RolloutError(f"request {request.batch_index}/{request.offset}: {request.error}")
+        if budget <= 0:
+            self._complete(request, "length")
+        return budget
+
+    async def _assistant_turn(self, request: Request, sampling: Sampling, budget: int) -> None:
+        generation = await self._engine_call(request, sampling, budget)
+        request.turns += 1
+        request.extend(generation.token_ids, generation.log_probs)
+        if generation.finish_reason == "length":
+            return self._complete(request, "length")
+        text = self.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
+        calls = self._parse_calls(text)
+        request.messages.append(_assistant_message(text, calls, self.parser))
+        if calls:
+            request.state = State.TOOL_CALLING
+        else:
+            self._complete(request, "stop")
+
+    async def _engine_call(self, request: Request, sampling: Sampling, budget: int):
+        params = SamplingParams(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_new_tokens=budget,
+            stop=tuple(self.config.stop),
+            stop_token_ids=(*self.config.stop_token_ids, self.tokenizer.eos_token_id),
+            seed=None if request.seed is None else request.seed + request.turns,
+        )
+        ids = request.prompt_ids + request.response_ids
+        where = f"request {request.batch_index}/{request.offset} (turn {request.turns + 1})"
+        try:
+            with spans.span("generate", tokens_in=len(ids)) as span:
+                call = self.backend.generate(ids, params, request.request_id)
+                [generation] = await asyncio.wait_for(call, self.config.timeout_s)
+                span.set(tokens_out=len(generation.token_ids), finish_reason=generation.finish_reason)
+        except asyncio.TimeoutError:
+            request.error = f"backend did not answer within timeout_s={self.config.timeout_s}"
+            raise RolloutError(f"{where}: {request.error}") from None
+        except Exception as exc:
+            request.error = f"backend error: {exc!r}"
+            raise RolloutError(f"{where}: {request.error}") from exc
+        if generation.finish_reason == "abort":
+            request.error = "aborted by the backend"
+            raise RolloutError(f"{where}: {request.error}")
+        return generation
+
+    def _parse_calls(self, text: str) -> list[ToolCall]:
+        if self.parser is None or not self.parser.has_tool_call(text):
+            return []
+        return self.parser.parse(text)[1]
+
+    async def _call_tools(self, request: Request) -> None:
+        calls = request.messages[-1]["tool_calls"]
+        responses = await asyncio.gather(*(self._execute(request, call) for call in calls))
+        request.tool_calls += len(calls)
+        request.messages.extend({"role": "tool", "content": response.text} for response in responses)
+        request.extend(self.chat.tool_response_ids(request.messages[-len(calls) :]), None)
+        if request.length >= self.config.model_len or len(request.response_ids) >= self.config.response_length:
+            return self._complete(request, "length")
+        request.state = State.RUNNING
+
+    async def _execute(self, request: Request, call: Mapping) -> ToolResponse:
+        name, arguments = call["function"]["name"], call["function"]["arguments"]
+        tool = self.tools.get(name) if name in request.tools_kwargs else None
+        if tool is None:
+            return ToolResponse(f"Error: no tool named {name!r} (available: {', '.join(request.tools_kwargs)})")
+        kwargs = request.tools_kwargs[name].get("execute_kwargs", {})
+        try:
+            with spans.span("tool_call", tool=name):
+                call = tool.execute(request.request_id, arguments, **kwargs)
+                return await asyncio.wait_for(call, self.config.multi_turn.tool_timeout_s)
+        except asyncio.TimeoutError:
+            return ToolResponse(f"Error: {name} timed out after {self.config.multi_turn.tool_timeout_s} s")
+        except Exception as exc:
+            return ToolResponse(f"Error: {exc}")
+
+    async def _lifecycle(self, request: Request, stage: str) -> None:
+        await asyncio.gather(
+            *(
+                _timed(
+                    f"tool_{stage}",
+                    name,
+                    getattr(self.tools[name], stage)(request.request_id, **kwargs.get(f"{stage}_kwargs", {})),
+                )
+                for name, kwargs in request.tools_kwargs.items()
+            )
+        )
+
+    async def _finish_tools(self, request: Request) -> None:
+        """``calc_reward`` then ``release`` per tool, also for a failed or cancelled request."""
+
+        async def finish(name: str, tool: Tool, kwargs: Mapping) -> None:
+            try:
+                if request.state is not State.FAILED:
+                    reward = tool.calc_reward(request.request_id, **kwargs.get("calc_reward_kwargs", {}))
+                    request.tool_rewards[name] = float(await _timed("tool_reward", name, reward))
+            finally:
+                await _timed("tool_release", name, tool.release(request.request_id, **kwargs.get("release_kwargs", {})))
+
+        await asyncio.shield(
+            asyncio.gather(*(finish(n, self.tools[n], kw) for n, kw in request.tools_kwargs.items() if n in self.tools))
+        )
+
+    def _complete(self, request: Request, reason: FinishReason) -> None:
+        request.finish_reason = reason
+        request.state = State.COMPLETED
+
+    def _truncate(self, request: Request) -> None:
+        limit = self.config.response_length
+        if len(request.response_ids) > limit:
+            del request.response_ids[limit:], request.response_mask[limit:], request.log_probs[limit:]
+            request.finish_reason = "length"
+
+    # -- the batch the trainer gets -----------------------------------------------------
+
+    def _to_batch(self, requests: list[Request], seconds: float, validate: bool) -> Batch:
+        requests.sort(key=lambda r: (r.batch_index, r.offset))
+        batch = pad_requests(requests, self.config.prompt_length, self.config.response_length, self.tokenizer)
+        generated = sum(sum(r.response_mask) for r in requests)
+        batch.meta_info["rollout"] = {
+            "requests": len(requests),
+            "turns": sum(r.turns for r in requests),
+            "tool_calls": sum(r.tool_calls for r in requests),
+            "generated_tokens": generated,
+            "seconds": seconds,
+            "tokens_per_second": generated / seconds if seconds > 0 else 0.0,
+            "finish_reasons": dict(Counter(r.finish_reason for r in requests)),
+            "validate": validate,
+        }
+        return batch
+
+
+async def _timed(event: str, tool: str, work: Awaitable[T]) -> T:
+    with spans.span(event, tool=tool):
+        return await work
+
+
+def _tools_kwargs(extras: Mapping[str, Any], index: int) -> dict[str, dict]:
+    if "tools_kwargs" not in extras:
+        return {}
+    value = extras["tools_kwargs"][index]
+    return {str(name): dict(kwargs or {}) for name, kwargs in (value or {}).items()}
+
+
+def _assistant_message(text: str, calls: list[ToolCall], parser: ToolParser | None) -> dict:
+    if not calls:
+        return {"role": "assistant", "content": text}
+    content = parser.parse(text)[0]
+    tool_calls = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+    return {"role": "assistant", "content": content, "tool_calls": tool_calls}
+
+
+def _derive_seed(seed: int, key: str, index: int, offset: int) -> int:
+    """A stable 31-bit seed per (run seed, step or sample id, prompt, sample); turns add to it."""
+    return zlib.crc32(f"{seed}:{key}:{index}:{offset}".encode()) & 0x7FFF_FFFF

@@ -1,0 +1,199 @@
+"""The policy being trained: log-probs of rollouts, the PPO update, and its weights.
+
+A plain class: ``workers.py`` hosts it in a Ray actor, tests drive it in-process. Batches
+arrive in verl's layout (``input_ids`` = left-padded prompt ++ right-padded response); the
+logits that predict the response are the ``response_length`` positions before the end.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt
+from skip_core.batch import Batch
+
+from skip_plugin_trainer.train.algorithm import (
+    agg_loss,
+    entropy_from_logits,
+    kl_penalty,
+    log_probs_from_logits,
+    policy_loss,
+)
+
+KlType = Literal["kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3"]
+
+
+class Optim(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lr: PositiveFloat = 1e-5
+    weight_decay: NonNegativeFloat = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: PositiveFloat = 1e-8
+
+
+class ActorConfig(BaseModel):
+    """``actor``: the PPO update, with verl's key names.
+
+    ``ppo_mini_batch_size`` counts prompts per optimizer step (each with ``rollout.n``
+    samples); ``ppo_micro_batch_size`` counts samples per forward/backward pass, whose
+    gradients accumulate over the mini-batch.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    ppo_mini_batch_size: PositiveInt = 16
+    ppo_micro_batch_size: PositiveInt = 16
+    ppo_epochs: PositiveInt = 1
+    clip_ratio_low: NonNegativeFloat = 0.2
+    clip_ratio_high: NonNegativeFloat = 0.2
+    clip_ratio_c: float | None = Field(3.0, gt=1)
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: NonNegativeFloat = 0.001
+    kl_loss_type: KlType = "low_var_kl"
+    grad_clip: PositiveFloat | None = 1.0
+    optim: Optim = Optim()
+
+
+class Policy:
+    """The trained model, its optimizer, and (for KL) a frozen copy of the initial weights."""
+
+    def __init__(
+        self,
+        model_path: str,
+        config: ActorConfig,
+        *,
+        samples_per_prompt: int,
+        temperature: float = 1.0,
+        use_reference: bool = False,
+        seed: int = 0,
+        threads: int | None = None,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # one bar per weight file, in every worker's log
+        if threads:
+            torch.set_num_threads(threads)
+        torch.manual_seed(seed)
+        self.config = config
+        self.samples_per_prompt = samples_per_prompt
+        # Rollout log-probs are taken at the sampling temperature; greedy rollouts sample at 1.
+        self.temperature = temperature or 1.0
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.reference = copy.deepcopy(self.model).requires_grad_(False) if use_reference else None
+        optim = config.optim
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+        )
+
+    # -- what the trainer calls --------------------------------------------------------
+
+    @torch.no_grad()
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        """``old_log_probs`` and per-token ``entropys`` under the current weights."""
+        parts = [self._forward(self.model, micro) for micro in self._micro_batches(batch)]
+        return Batch({"old_log_probs": torch.cat([p[0] for p in parts]), "entropys": torch.cat([p[1] for p in parts])})
+
+    @torch.no_grad()
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        if self.reference is None:
+            raise RuntimeError("the policy was built without a reference model (no KL is configured)")
+        parts = [self._forward(self.reference, micro, entropy=False)[0] for micro in self._micro_batches(batch)]
+        return Batch({"ref_log_prob": torch.cat(parts)})
+
+    def update(self, batch: Batch) -> dict[str, float]:
+        """``ppo_epochs`` passes of clipped-PPO steps, one optimizer step per mini-batch."""
+        size = self.config.ppo_mini_batch_size * self.samples_per_prompt
+        if len(batch) % size:
+            raise ValueError(f"{len(batch)} samples do not split into mini-batches of {size}")
+        metrics: dict[str, list[float]] = defaultdict(list)
+        for _ in range(self.config.ppo_epochs):
+            for mini in batch.chunk(len(batch) // size):
+                self._step(mini, metrics)
+        return {key: sum(values) / len(values) for key, values in metrics.items()}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights for the rollout engine (tied tensors appear under each name, as HF lists them)."""
+        return {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
+
+    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return self.state_dict(), self.optimizer.state_dict()
+
+    def load_checkpoint_state(self, model: Mapping[str, torch.Tensor], optimizer: Mapping[str, Any]) -> None:
+        self.model.load_state_dict(model)
+        self.optimizer.load_state_dict(optimizer)
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _micro_batches(self, batch: Batch) -> Iterator[Batch]:
+        size = self.config.ppo_micro_batch_size
+        for start in range(0, len(batch), size):
+            yield batch[start : start + size]
+
+    def _forward(self, model: Any, batch: Batch, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Response log-probs (and entropies), computed on the batch cut to its non-padding span.
+
+        Prompts are left-padded and responses right-padded to fixed widths, so most columns of
+        a short batch are padding on every row; dropping them changes no result.
+        """
+        responses = batch.batch["responses"]
+        width = responses.shape[1]
+        used = batch.batch["attention_mask"].bool().any(dim=0).nonzero().flatten()
+        start, end = int(used[0]), max(int(used[-1]) + 1, batch.batch["input_ids"].shape[1] - width + 1)
+        out = model(
+            input_ids=batch.batch["input_ids"][:, start:end],
+            attention_mask=batch.batch["attention_mask"][:, start:end],
+            position_ids=batch.batch["position_ids"][:, start:end],
+            use_cache=False,
+        )
+        kept = end - (batch.batch["input_ids"].shape[1] - width)  # response columns inside the span
+        logits = out.logits[:, -kept - 1 : -1].float() / self.temperature
+        log_probs = _pad_right(log_probs_from_logits(logits, responses[:, :kept]), width)
+        return log_probs, _pad_right(entropy_from_logits(logits), width) if entropy else None
+
+    def _step(self, mini: Batch, metrics: dict[str, list[float]]) -> None:
+        cfg = self.config
+        self.optimizer.zero_grad(set_to_none=True)
+        for micro in self._micro_batches(mini):
+            log_prob, entropy = self._forward(self.model, micro, entropy=cfg.entropy_coeff != 0)
+            mask = micro.batch["response_mask"]
+            result = policy_loss(
+                micro.batch["old_log_probs"],
+                log_prob,
+                micro.batch["advantages"],
+                mask,
+                clip_ratio_low=cfg.clip_ratio_low,
+                clip_ratio_high=cfg.clip_ratio_high,
+                clip_ratio_c=cfg.clip_ratio_c,
+                loss_agg_mode=cfg.loss_agg_mode,
+            )
+            loss = result.loss
+            if cfg.entropy_coeff:
+                loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, cfg.loss_agg_mode)
+            if cfg.use_kl_loss:
+                per_token = kl_penalty(log_prob, micro.batch["ref_log_prob"], cfg.kl_loss_type)
+                kl = agg_loss(per_token, mask, cfg.loss_agg_mode)
+                loss = loss + cfg.kl_loss_coef * kl
+                metrics["actor/kl_loss"].append(kl.item())
+            (loss * len(micro) / len(mini)).backward()
+            metrics["actor/pg_loss"].append(result.loss.item())
+            metrics["actor/pg_clipfrac"].append(result.clipfrac)
+            metrics["actor/ppo_kl"].append(result.approx_kl)
+        limit = cfg.grad_clip if cfg.grad_clip is not None else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit).item()
+        metrics["actor/grad_norm"].append(grad_norm)
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:  # one bad batch must not poison the weights; the metric shows it happened
+            metrics["actor/skipped_steps"].append(1.0)
+        metrics["actor/lr"].append(self.optimizer.param_groups[0]["lr"])
+
+
+def _pad_right(values: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(values, (0, width - values.shape[1]))

@@ -1,0 +1,98 @@
+"""Rule-based rewards: a registered function scores each decoded response.
+
+Reward functions register through ``skip_register_rewards`` with verl's ``compute_score``
+signature, so a verl user's function plugs in unchanged; ``reward.function`` picks one.
+The sequence score lands on the last token the policy sampled, which is where the
+advantage estimators that look at token positions (REINFORCE++) expect the outcome.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from functools import cache
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+from skip_core.config import ConfigError, lookup
+
+if TYPE_CHECKING:
+    import torch
+    from skip_core.batch import Batch
+
+RewardFn = Callable[[str, str, Any, Mapping[str, Any]], float]
+
+
+class RewardConfig(BaseModel):
+    """``reward``: which function scores responses; ``tool_rewards`` adds the tools' own rewards."""
+
+    model_config = ConfigDict(extra="forbid")
+    function: str = "task"
+    tool_rewards: bool = True
+
+
+def score_by_task(data_source: str, solution_str: str, ground_truth: Any, extra_info: Mapping | None = None) -> float:
+    """The score of the registered task that produces ``data_source`` rows."""
+    task = _tasks_by_source().get(data_source)
+    if task is None:
+        raise ValueError(f"no installed task produces data_source {data_source!r}")
+    return task.score(solution_str, ground_truth)
+
+
+@cache
+def _tasks_by_source() -> dict[str, Any]:
+    from skip_core.plugins import registry
+
+    return {source: task for task in registry().tasks.values() for source in task.data_sources}
+
+
+class Rewarder:
+    """Scores rollouts with the configured function; checked against the data before step 1."""
+
+    def __init__(self, config: RewardConfig, tokenizer: Any) -> None:
+        from skip_core.plugins import registry
+
+        self.fn: RewardFn = lookup("reward.function", "reward function", config.function, registry().rewards)
+        self.config = config
+        self.tokenizer = tokenizer
+
+    def check_sources(self, sources: set[str], key: str) -> None:
+        """Fail before training when ``reward.function=task`` cannot score some rows."""
+        if self.fn is not score_by_task:
+            return
+        unknown = sorted(s for s in sources if s not in _tasks_by_source())
+        if unknown:
+            have = ", ".join(sorted(_tasks_by_source())) or "none"
+            raise ConfigError(
+                f"{key}: rows have data_source {unknown[0]!r}, which no installed task scores "
+                f"(reward.function=task knows: {have}); set reward.function to a registered function"
+            )
+
+    def __call__(self, batch: Batch) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
+        """Token-level scores [samples, response length] and per-sample parts for logging."""
+        texts = self.tokenizer.batch_decode(batch.batch["responses"], skip_special_tokens=True)
+        extras = batch.non_tensor_batch
+        scores = np.array(
+            [
+                float(self.fn(extras["data_source"][i], text, extras["ground_truth"][i], extras["extra_info"][i]))
+                for i, text in enumerate(texts)
+            ]
+        )
+        tools = np.zeros(len(batch))
+        if self.config.tool_rewards and "reward_scores" in extras:
+            tools = np.array([sum(float(v) for v in (r or {}).values()) for r in extras["reward_scores"]])
+        parts = {"score": scores, "tool_reward": tools}
+        return place_on_last_token(scores + tools, batch.batch["response_mask"]), parts
+
+
+def place_on_last_token(scores: np.ndarray, response_mask: torch.Tensor) -> torch.Tensor:
+    """A [samples, length] tensor holding each score on its last sampled token (last token if none)."""
+    import torch  # here, not at the top: this module loads with `skip`, whose startup must not pay for torch
+
+    length = response_mask.shape[1]
+    positions = torch.arange(length).expand_as(response_mask)
+    last = torch.where(response_mask.bool(), positions, -1).max(dim=1).values
+    last = torch.where(last < 0, length - 1, last)
+    out = torch.zeros(response_mask.shape, dtype=torch.float32)
+    out[torch.arange(len(scores)), last] = torch.as_tensor(scores, dtype=torch.float32)
+    return out

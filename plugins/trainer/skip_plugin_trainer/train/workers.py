@@ -1,0 +1,174 @@
+"""The run's Ray actors: rollout workers and the policy worker, each in its resource pool.
+
+A pool is a Ray placement group of one bundle per worker, so a run either gets all the
+resources it was configured with or fails at start, naming the key to change. Nothing here
+assumes one machine: with ``RAY_ADDRESS`` set, the bundles land wherever the cluster has room.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from skip_core import spans
+from skip_core.batch import Batch
+from skip_core.config import ConfigError
+from skip_core.manager import SkipManager
+
+from skip_plugin_trainer.rollout.padding import merge_rollout_stats
+
+POOL_TIMEOUT_S = 60
+
+
+class RolloutPool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    workers: PositiveInt = 1
+    cpus_per_worker: PositiveFloat = 1
+
+
+class ActorPool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    cpus: PositiveFloat = 1
+
+
+class Resources(BaseModel):
+    """``resources``: the local Ray's CPUs (``num_cpus``, ignored when joining ``RAY_ADDRESS``)
+    and each pool's share. ``torch_threads`` caps every worker's intra-op threads (default:
+    its pool's CPUs, at least one)."""
+
+    model_config = ConfigDict(extra="forbid")
+    num_cpus: PositiveInt | None = None
+    torch_threads: PositiveInt | None = None
+    rollout: RolloutPool = RolloutPool()
+    actor: ActorPool = ActorPool()
+
+    def threads(self, cpus: float) -> int:
+        return self.torch_threads or max(1, int(cpus))
+
+
+class RolloutWorker:
+    """One agent loop and backend, built in the worker process from the resolved run config.
+
+    ``rank`` names the worker in profiles; spans of work outside a rollout (weight loads)
+    carry the step of the last batch it generated.
+    """
+
+    def __init__(self, config: Mapping[str, Any], threads: int, rank: int) -> None:
+        import torch
+        from omegaconf import OmegaConf
+        from transformers.utils import logging as hf_logging
+
+        from skip_plugin_trainer.rollout.job import RolloutParts, load_tokenizer
+
+        hf_logging.disable_progress_bar()
+        torch.set_num_threads(threads)
+        conf = OmegaConf.create(dict(config))
+        spans.configure(conf, worker=rank)
+        self.loop = RolloutParts.from_config(conf).agent_loop(conf, load_tokenizer(conf))
+        self.step = 0
+
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        self.step = int(prompts.meta_info.get("global_steps", self.step))
+        return self.loop.generate_sequences(prompts)
+
+    def update_weights(self, state_dict: Mapping[str, Any]) -> None:
+        with spans.span("weight_sync", step=self.step):
+            self.loop.update_weights(state_dict)
+
+    def shutdown(self) -> None:
+        """Stop the engine and write out the spans still buffered (``ray.kill`` would lose them)."""
+        try:
+            self.loop.shutdown()
+        finally:
+            spans.close()
+
+
+class Pool:
+    """A placement group and the actors placed in its bundles.
+
+    ``spawn`` replaces an argument given as ``Pool.RANK`` by the actor's bundle index.
+    """
+
+    RANK = object()
+
+    def __init__(self, name: str, key: str, bundles: int, cpus: float) -> None:
+        self.name, self.cpus = name, cpus
+        self.group: PlacementGroup = placement_group([{"CPU": cpus}] * bundles, strategy="PACK", name=name)
+        ready, _ = ray.wait([self.group.ready()], timeout=POOL_TIMEOUT_S)
+        if not ready:
+            remove_placement_group(self.group)
+            have = ray.cluster_resources().get("CPU", 0)
+            raise ConfigError(
+                f"{key}: the {name} pool needs {bundles} x {cpus} CPU, which the Ray cluster ({have:g} CPU, "
+                "resources.num_cpus) cannot place next to the other pools"
+            )
+        self.actors: list[Any] = []
+
+    def spawn(self, cls: type, *args: Any, **kwargs: Any) -> list[Any]:
+        remote = ray.remote(cls)
+        for index in range(self.group.bundle_count):
+            strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index)
+            actor = remote.options(num_cpus=self.cpus, scheduling_strategy=strategy, name=None)
+            ranked = [index if a is Pool.RANK else a for a in args]
+            self.actors.append(actor.remote(*ranked, **{k: index if v is Pool.RANK else v for k, v in kwargs.items()}))
+        # Wait for the constructors (model loading), so the first step's timing is the step's.
+        ray.get([actor.__ray_ready__.remote() for actor in self.actors])
+        return self.actors
+
+    def close(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
+        remove_placement_group(self.group)
+
+
+class RolloutGroup:
+    """The driver's handle on the rollout workers, and the unit skip's ``rollout`` role wraps.
+
+    A cache hit replaces the whole call, so no worker is asked for anything: ``calls`` counts
+    the batches that really reached the workers.
+    """
+
+    def __init__(self, workers: Sequence[Any]) -> None:
+        self.workers = list(workers)
+        self.calls = 0
+
+    @SkipManager.annotate(role="rollout")
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        """Split the prompts evenly across workers, generate concurrently, and rejoin in order."""
+        self.calls += 1
+        parts = prompts.chunk(len(self.workers))
+        futures = []
+        for rank, (worker, part) in enumerate(zip(self.workers, parts, strict=True)):
+            part.meta_info = {**prompts.meta_info, "index_base": rank * len(part)}
+            futures.append(worker.generate_sequences.remote(part))
+        outputs = self._gather(futures)
+        with spans.span("batch_construction", workers=len(outputs)):
+            merged = Batch.concat(outputs)
+            merged.meta_info = {"rollout": merge_rollout_stats([out.meta_info["rollout"] for out in outputs])}
+        return merged
+
+    @staticmethod
+    def _gather(futures: list[Any]) -> list[Batch]:
+        """The workers' batches in rank order; each worker's wait for the slowest is a ``barrier_wait`` span."""
+        arrived: dict[Any, float] = {}
+        pending = list(futures)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            arrived.update((ref, time.time()) for ref in done)
+        last = max(arrived.values())
+        for rank, ref in enumerate(futures):
+            spans.record("barrier_wait", arrived[ref], last, workid=rank)
+        return ray.get(futures)
+
+    def update_weights(self, state_dict: Any) -> None:
+        """Push new weights (a Ray object ref is fetched once per worker, not per call)."""
+        with spans.span("weight_sync"):
+            ray.get([worker.update_weights.remote(state_dict) for worker in self.workers])
+
+    def shutdown(self) -> None:
+        ray.get([worker.shutdown.remote() for worker in self.workers])

@@ -1,0 +1,69 @@
+"""``skip rollout`` end to end: the embedded task, the hf backend, the agent loop and the cache."""
+
+import pytest
+from click.testing import CliRunner
+from skip_core.cli import cli
+from skip_core.store import verify
+from skiptests import CONFIGS, SMALL
+
+
+def rollout(*overrides):
+    args = ["rollout", "--config-dir", str(CONFIGS), *SMALL, *map(str, overrides)]
+    return CliRunner().invoke(cli, args, catch_exceptions=False)
+
+
+def summary(output: str) -> dict[str, str]:
+    """The rows of the summary table, by label."""
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in output.splitlines() if line.startswith("│")]
+    return {row[0]: row[1] for row in cells if len(row) == 2}
+
+
+@pytest.fixture(scope="module")
+def task_dir(tiny_model_dir):
+    """The session's embedded task directory: data and model are built once for all tests."""
+    return tiny_model_dir.parent
+
+
+def test_second_run_loads_the_cached_generation(task_dir, tmp_path):
+    cached = [f"task.dir={task_dir}", "skip.rollout.enable=true", f"skip.rollout.dump_dir={tmp_path}"]
+    first = rollout(*cached)
+    assert first.exit_code == 0, first.output
+    assert "4 × 2 = 8 requests" in first.output and "tokens/s" in first.output
+    assert "finish reasons" in first.output and "task score" in first.output
+    assert len(list(tmp_path.glob("*/*/1"))) == 1
+
+    second = rollout(*cached)
+    assert second.exit_code == 0, second.output
+    assert "loaded from the skip cache" in second.output and "tokens/s" not in second.output
+    same = ("prompts × samples", "turns per request", "tool calls", "finish reasons", "task score (mean)")
+    assert {k: summary(first.output)[k] for k in same} == {k: summary(second.output)[k] for k in same}
+
+
+def test_output_dir_holds_a_verified_batch(task_dir, tmp_path):
+    result = rollout(f"task.dir={task_dir}", f"output_dir={tmp_path}")
+    assert result.exit_code == 0, result.output
+    (entry,) = tmp_path.glob("*/*/1")
+    assert verify(entry)["samples"] == 8
+
+
+def test_unknown_backend_fails_before_any_work(tmp_path):
+    fresh = tmp_path / "never-built"
+    result = rollout(f"task.dir={fresh}", "rollout.backend=vllm")
+    assert result.exit_code == 1
+    assert "rollout.backend: unknown backend 'vllm' (installed: hf)" in result.output
+    assert "pip install" not in result.output  # no distribution of that name exists
+    assert not fresh.exists()
+
+
+def test_config_errors_are_one_line(tmp_path):
+    result = rollout(f"task.dir={tmp_path}", "skip.rollout.action=cahce")
+    assert result.exit_code == 1
+    assert "skip.rollout.action: expected 'cache' or 'repeat', got 'cahce'" in result.output
+    result = rollout(f"task.dir={tmp_path}", "rollout.temperature=-1")
+    assert "rollout.temperature: expected a number >= 0.0, got -1" in result.output
+
+
+def test_a_model_path_that_is_not_a_model_directory_is_named(tmp_path):
+    result = rollout("task.name=null", f"model.path={tmp_path}", f"data.train_files=[{tmp_path}/x.parquet]")
+    assert result.exit_code == 1
+    assert "model.path: expected a local Hugging Face model directory with a config.json" in result.output

@@ -1,0 +1,197 @@
+"""``skip run`` end to end on Ray with the embedded tiny model: training, the rollout cache,
+checkpoints, resume after SIGKILL, and the checks that fail before the first step."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from rich.console import Console
+from skip_core import encoding
+from skip_core.cli import cli
+from skip_core.store import scan, verify
+from skip_plugin_trainer.commands import compose_config
+from skip_plugin_trainer.train.trainer import run
+from skiptests import CONFIGS
+
+SMALL = [
+    "task.train_size=64",
+    "task.val_size=8",
+    "task.warmup_steps=5",
+    "data.train_batch_size=4",
+    "data.max_response_length=64",
+    "rollout.n=2",
+    "actor.ppo_mini_batch_size=2",
+    "actor.ppo_micro_batch_size=2",
+    "trainer.val_before_train=false",
+    "resources.num_cpus=2",
+    "resources.torch_threads=1",
+]
+
+
+@pytest.fixture(scope="module")
+def task_dir(tiny_model_dir):
+    return tiny_model_dir.parent
+
+
+def overrides(task_dir, tmp_path, *more):
+    return [
+        *SMALL,
+        f"task.dir={task_dir}",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+        f"skip.rollout.dump_dir={tmp_path / 'cache'}",
+        *more,
+    ]
+
+
+def train(task_dir, tmp_path, *more):
+    config = compose_config(CONFIGS, "run", tuple(overrides(task_dir, tmp_path, *more)))
+    console = Console(record=True, width=200)
+    return run(config, console), console.export_text()
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_steps_train_then_the_cache_replays_generation(ray_session, task_dir, tmp_path):
+    # The 5-step test model scores 0 everywhere, so advantages are 0: the entropy bonus and the
+    # KL loss (with its reference model) give the update something to do.
+    cached = (
+        "trainer.total_training_steps=2",
+        "skip.rollout.enable=true",
+        "trainer.save_freq=1",
+        "trainer.test_freq=2",
+        "actor.entropy_coeff=0.01",
+        "actor.use_kl_loss=true",
+    )
+    trainer, output = train(task_dir, tmp_path, *cached)
+    assert trainer.rollout.calls == 3  # two training batches and one validation
+    rows = metrics(tmp_path / "run")
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        assert 0 <= row["critic/score/mean"] <= 1 and row["actor/grad_norm"] > 0
+        phases = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "step")
+        assert {f"timing_s/{phase}" for phase in phases} <= row.keys()
+    # Step 1's second mini-batch already runs on updated weights: the policy left the reference.
+    assert all(row["actor/kl_loss"] > 0 for row in rows)
+    assert "val/score/mean" in rows[1] and "val/score/mean" not in rows[0]
+    assert (tmp_path / "run" / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in (tmp_path / "run").glob("global_step_*")) == ["global_step_1", "global_step_2"]
+    assert "skip run" in output and "score" in output
+    entries = sorted(scan(tmp_path / "cache"))
+    assert [p.name for p in entries] == ["1", "2"]  # validation is never cached
+    assert all(verify(p)["samples"] == 8 for p in entries)
+
+    again, _ = train(task_dir, tmp_path, *cached, "trainer.resume_mode=disable")
+    assert again.rollout.calls == 1  # only validation reached the workers
+    replayed = metrics(tmp_path / "run")
+    for first, second in zip(rows, replayed, strict=True):
+        # Same rollouts from the cache and the same start weights: the same first update.
+        assert second["critic/score/mean"] == first["critic/score/mean"]
+        assert second["response_length/mean"] == first["response_length/mean"]
+    assert replayed[0]["actor/pg_loss"] == pytest.approx(rows[0]["actor/pg_loss"], abs=1e-6)
+
+
+def test_a_finished_run_resumes_to_nothing_and_still_reports(ray_session, task_dir, tmp_path):
+    first, _ = train(task_dir, tmp_path, "trainer.total_training_steps=1", "trainer.save_freq=1")
+    assert first.global_steps == 1
+    second, output = train(task_dir, tmp_path, "trainer.total_training_steps=1", "trainer.save_freq=1")
+    assert second.global_steps == 1 and second.rollout.calls == 0
+    assert "resumed at step 1 from" in output
+    assert [row["step"] for row in metrics(tmp_path / "run")] == [1]
+
+
+def test_two_rollout_workers_sample_what_one_samples(ray_session, task_dir, tmp_path):
+    """Each worker seeds its rows by their index in the whole batch, so the split changes nothing."""
+    step = ("trainer.total_training_steps=1", "skip.rollout.enable=true")
+    train(task_dir, tmp_path / "one", *step)
+    two, _ = train(
+        task_dir, tmp_path / "two", *step, "resources.rollout.workers=2", "resources.rollout.cpus_per_worker=0.5"
+    )
+    assert two.rollout.calls == 2 and len(two.rollout.workers) == 2  # the step and the final validation
+    (one_entry,), (two_entry,) = scan(tmp_path / "one" / "cache"), scan(tmp_path / "two" / "cache")
+    one_batch, two_batch = encoding.read(one_entry), encoding.read(two_entry)
+    assert torch.equal(one_batch.batch["responses"], two_batch.batch["responses"])
+    assert two_batch.meta_info["rollout"]["requests"] == 8
+
+
+def cli_run(*args):
+    return CliRunner().invoke(cli, ["run", "--config-dir", str(CONFIGS), *args], catch_exceptions=False)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("data.train_files=[/nonexistent/train.parquet]", "data.train_files: no such file"),
+        ("model.path=/nonexistent/model", "model.path: expected a local Hugging Face model directory"),
+        ("data.max_prompt_length=8", "data.max_prompt_length: all 64 prompts are longer than 8 tokens"),
+        ("actor.ppo_mini_batch_size=3", "actor.ppo_mini_batch_size: 3 prompts do not divide data.train_batch_size=4"),
+        ("actor.ppo_micro_batch_size=3", "actor.ppo_micro_batch_size: 3 samples do not divide a mini-batch of 2"),
+        ("trainer.schedule=one_step_off", "trainer.schedule: unknown schedule 'one_step_off' (installed: sync)"),
+        ("trainer.schedule=mine", "trainer.schedule: unknown schedule 'mine'"),
+        ("reward.function=mine", "reward.function: unknown reward function 'mine' (installed: task)"),
+        ("algorithm.adv_estimator=ppo", "algorithm.adv_estimator"),
+        ("trainer.logger=[console,mlflow]", "trainer.logger: unknown logger 'mlflow'; allowed: console, jsonl"),
+        ("trainer.resume_mode=resume_path", "trainer.resume_from_path: required"),
+        ("resources.rollout.workers=3", "resources.rollout.workers: 3 workers cannot split data.train_batch_size=4"),
+    ],
+)
+def test_bad_input_fails_before_the_first_step(task_dir, tmp_path, override, message):
+    started = time.perf_counter()
+    result = cli_run(*overrides(task_dir, tmp_path, override))
+    assert result.exit_code != 0
+    assert message in result.output, result.output
+    assert not (tmp_path / "run").exists()  # nothing trained, nothing written
+    assert time.perf_counter() - started < 30
+
+
+def test_unknown_tool_fails_before_the_first_step(task_dir, tmp_path):
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools:\n  - name: abacus\n")
+    result = cli_run(*overrides(task_dir, tmp_path, f"rollout.multi_turn.tools_config={tools}"))
+    assert result.exit_code != 0 and "abacus" in result.output, result.output
+
+
+def test_sigkill_resumes_at_the_next_step_with_the_same_data(task_dir, tmp_path):
+    """A run killed after its step-2 checkpoint resumes at step 3 and sees the batches an
+    uninterrupted run sees: the prompt fingerprints of every step's cache entry match."""
+    steps = ("trainer.total_training_steps=4", "trainer.save_freq=1", "skip.rollout.enable=true")
+    reference = tmp_path / "reference"
+    subprocess.run(command(task_dir, reference, *steps), check=True, capture_output=True, timeout=300)
+
+    killed = tmp_path / "killed"
+    process = subprocess.Popen(command(task_dir, killed, *steps), start_new_session=True, **QUIET)
+    marker = killed / "run" / "global_step_2" / "manifest.json"
+    deadline = time.monotonic() + 300
+    while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)  # the driver and its Ray processes, as a lost machine would
+    process.wait()
+    assert marker.exists(), "the run ended before its step-2 checkpoint"
+    assert not (killed / "run" / "global_step_4").exists(), "the run finished before it was killed"
+
+    resumed = subprocess.run(command(task_dir, killed, *steps), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed_at = int(resumed.stdout.split("resumed at step")[1].split()[0])
+    assert resumed_at >= 2
+    assert [row["step"] for row in metrics(killed / "run")] == [1, 2, 3, 4]
+    assert fingerprints(killed / "cache") == fingerprints(reference / "cache")
+
+
+QUIET = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+
+
+def command(task_dir, tmp_path, *more):
+    exe = Path(sys.executable).parent / "skip"
+    return [str(exe), "run", "--config-dir", str(CONFIGS), *overrides(task_dir, tmp_path, *more)]
+
+
+def fingerprints(cache: Path) -> dict[str, str]:
+    return {p.name: verify(p)["fingerprint"] for p in scan(cache)}

@@ -1,0 +1,89 @@
+"""A scripted model for agent-loop tests: the test double is the *model* only.
+
+``ScriptedBackend`` answers each turn with text a script chooses, encoded by the real
+tokenizer; the loop, chat format, parser, tools and padding it drives are the real ones.
+"""
+
+import asyncio
+import json
+
+from skip_core import Batch
+from skip_core.backend import Generation, RolloutBackend
+from skip_plugin_arithmetic.calculator import Calculator
+from skip_plugin_trainer.rollout.agent_loop import AgentLoop, LoopConfig
+from skip_plugin_trainer.rollout.chat import ChatFormat
+from skip_plugin_trainer.rollout.tools import HermesParser
+
+
+def call(expression: str) -> str:
+    return f"<tool_call>{json.dumps({'name': 'calculator', 'arguments': {'expression': expression}})}</tool_call>"
+
+
+class ScriptedBackend(RolloutBackend):
+    """Answers turn ``k`` of each conversation with ``script(question, k)``.
+
+    ``delay(question)`` seconds before answering; ``script`` may return an exception to raise
+    or ``HANG`` to never answer.
+    """
+
+    HANG = object()
+
+    def __init__(self, tokenizer, script, delay=lambda question: 0.0):
+        self.tokenizer, self.script, self.delay = tokenizer, script, delay
+        self.turns: dict[str, int] = {}
+        self.params: list = []
+        self.cancelled = 0
+
+    async def generate(self, prompt_ids, params, request_id):
+        text = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        question = text.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+        turn = self.turns.get(request_id, 0)
+        self.turns[request_id] = turn + 1
+        self.params.append(params)
+        reply = self.script(question, turn)
+        try:
+            await asyncio.sleep(self.delay(question))
+            if reply is self.HANG:
+                await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        if isinstance(reply, Exception):
+            raise reply
+        ids = [*self.tokenizer.encode(reply, add_special_tokens=False), self.tokenizer.eos_token_id]
+        finish = "stop"
+        if len(ids) > params.max_new_tokens:
+            ids, finish = ids[: params.max_new_tokens], "length"
+        return [Generation(ids, [-0.25 - 0.01 * i for i in range(len(ids))], finish)]
+
+    async def update_weights(self, state_dict):
+        pass
+
+    async def sleep(self):
+        pass
+
+    async def wake_up(self):
+        pass
+
+    async def shutdown(self):
+        pass
+
+
+def prompts(tokenizer, questions, tools_kwargs=None, **meta) -> Batch:
+    chat = ChatFormat(tokenizer)
+    messages = [[{"role": "user", "content": q}] for q in questions]
+    kwargs = tools_kwargs or {"calculator": {}}
+    return Batch.from_dict(
+        non_tensors={
+            "raw_prompt": messages,
+            "raw_prompt_ids": [chat.prompt_ids(m) for m in messages],
+            "tools_kwargs": [kwargs] * len(questions),
+        },
+        meta_info=meta,
+    )
+
+
+def make_loop(tokenizer, backend, tools=None, **config) -> AgentLoop:
+    settings = {"prompt_length": 64, "response_length": 256, "n": 1, **config}
+    tools = {"calculator": Calculator()} if tools is None else tools
+    return AgentLoop(backend, tokenizer, LoopConfig(**settings), tools, HermesParser())
