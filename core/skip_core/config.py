@@ -213,26 +213,6 @@ def _count(config: Any, key: str, default: int) -> int:
     return value
 
 
-def hydra_defaults(roles: Mapping[str, type[RoleConfig]]) -> dict:
-    """Default ``skip`` section for the given roles, for a Hydra ConfigStore node."""
-    return {"skip": {name: model().model_dump() for name, model in sorted(roles.items())}}
-
-
-def register_hydra_defaults(name: str = "skip_defaults") -> None:
-    """Store ``skip`` defaults of every installed role as the Hydra config ``name``.
-
-    Add ``- skip_defaults`` to a primary config's ``defaults`` list, and command-line
-    overrides such as ``skip.rollout.enable=True skip.rollout.steps=[1,2,3]`` work without
-    a ``+`` prefix for every installed role.
-    """
-    from hydra.core.config_store import ConfigStore
-
-    from skip_core.plugins import registry
-
-    node = hydra_defaults({name: role.config for name, role in registry().roles.items()})
-    ConfigStore.instance().store(name=name, node=node)
-
-
 def lookup(key: str, kind: str, name: str, installed: Mapping[str, T]) -> T:
     """The plugin-provided ``kind`` called ``name``, or a ConfigError naming what is installed
     and, for one this repository ships, how to install it."""

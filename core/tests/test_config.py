@@ -6,7 +6,8 @@ from hydra import compose, initialize_config_dir
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from skip_core import ConfigError, SkipManager
-from skip_core.config import SHIPPED, Namespace, RoleConfig, install_hint, parse_section, register_hydra_defaults
+from skip_core.config import SHIPPED, Namespace, RoleConfig, install_hint, parse_section
+from skip_core.hydra_defaults import register_hydra_defaults
 from skiptests import ROOT, run_config
 
 

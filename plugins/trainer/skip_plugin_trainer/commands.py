@@ -65,7 +65,7 @@ def compose_config(config_dir: Path, config_name: str, overrides: tuple[str, ...
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
-    from skip_core.config import register_hydra_defaults
+    from skip_core.hydra_defaults import register_hydra_defaults
 
     if not (config_dir / f"{config_name}.yaml").is_file():
         raise click.UsageError(f"no config {config_name}.yaml in {config_dir.resolve()} (set --config-dir)")
