@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationErr
 SHIPPED = {
     ("role", "rollout"): "plugins/rollout",
     ("role", "async_rollout"): "plugins/async_rollout",
+    ("role", "ref_log_prob"): "plugins/ref_log_prob",
     ("backend", "hf"): "plugins/hf",
     ("schedule", "sync"): "plugins/trainer",
     ("task", "arithmetic"): "plugins/arithmetic",

@@ -1,21 +1,81 @@
-"""The trainer schedule interface: how generation and training steps are ordered.
+"""The trainer-schedule contract: what a schedule may ask of a trainer, and nothing more.
 
-Schedules register through ``skip_register_schedules`` and are chosen with
-``trainer.schedule=<name>``: ``sync`` (colocated, in core), and plugins such as
-one-step-off that overlap generation with training.
+A schedule decides the order of a run's work: when generation starts, when it is waited for,
+when weights move. The trainer does the work. ``Run`` is all a schedule sees of it, so
+``sync`` (generate, then train, every step) and overlapped schedules (one step off, fully
+async) are written against the same few typed operations; ``generate`` returns a future,
+so a schedule can train while a generation runs.
+
+Schedules register through ``skip_register_schedules`` and ``trainer.schedule=<name>`` picks one.
 """
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from typing import Any
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from skip_core import spans
+
+
+@dataclass
+class StepRecord:
+    """One training step's numbers: seconds per phase (``timing_s/<phase>``) and metrics.
+
+    ``batch`` is the batch the step trained on; the step's data metrics are read from it.
+    """
+
+    step: int
+    timing: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    batch: Any = None
+
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """Add the block's seconds to ``timing[phase]``; the block is also a ``trainer/<phase>`` span."""
+        start = time.perf_counter()
+        try:
+            with spans.span(f"trainer/{phase}", step=self.step):
+                yield
+        finally:
+            self.timing[phase] = self.timing.get(phase, 0.0) + time.perf_counter() - start
+
+
+class Run(Protocol):
+    """What a trainer offers its schedule."""
+
+    def steps(self) -> range:
+        """The training steps still to run: after the last checkpoint, up to the run's total."""
+
+    def step(self, step: int) -> AbstractContextManager[StepRecord]:
+        """The context of one training step: timed as ``step``; on a normal exit its record is
+        logged and the step counts as done (a resumed run starts after it)."""
+
+    def prompts(self) -> Any:
+        """The next batch of training prompts; epochs follow each other without a gap."""
+
+    def generate(self, prompts: Any, step: int) -> Future:
+        """Start rolling out ``prompts`` for training step ``step`` with the rollout engines' current
+        weights; return at once. The future's result is the batch of prompts and samples.
+        ``SkipManager`` sees ``step`` as the trainer step of that call (skip roles wrap it)."""
+
+    def train(self, batch: Any, record: StepRecord) -> None:
+        """Reward, old log-probs, reference log-probs, advantages and the actor update on
+        ``batch``, each phase timed in ``record``."""
+
+    def sync_weights(self, record: StepRecord) -> None:
+        """Push the actor's weights to the rollout engines (timed as ``update_weights``).
+        Raises ``RuntimeError`` while a generation is in flight."""
+
+    def after_update(self, record: StepRecord) -> None:
+        """Validation and checkpoint, each when its frequency falls on ``record.step``."""
 
 
 class Schedule(ABC):
     @abstractmethod
-    def fit(self, trainer: Any) -> None:
-        """Run steps ``trainer.global_steps + 1 .. trainer.total_steps`` with the trainer's phases.
-
-        Calls ``SkipManager.set_step(step)`` before each step's generation, so skip roles see
-        the step a batch trains at.
-        """
+    def fit(self, run: Run) -> None:
+        """Run every step of ``run.steps()``, each inside ``run.step(step)``."""

@@ -1,6 +1,7 @@
 """The on-disk cache of step results: atomic, verified on read, confined to its directory.
 
-Layout (verl's, so verl configs work unchanged)::
+Layout (verl's for role ``rollout``, so verl configs work unchanged; any other role adds a
+``{role}/`` level after the run name)::
 
     {dump_dir}/{experiment_name}_{project_name}/GBS{gbs}_N{n}_in{prompt}_out{response}/{step}/
         meta.json              format version, role, step, namespace, input fingerprint,
@@ -143,8 +144,10 @@ class CacheStore:
         self.root = Path(root).expanduser().absolute()
         self.namespace = namespace
         self.role = role
-        run = safe_name(f"{namespace.experiment_name}_{namespace.project_name}")
-        self.directory = self.root / run / namespace.shape
+        run = self.root / safe_name(f"{namespace.experiment_name}_{namespace.project_name}")
+        # ``rollout`` keeps verl's layout; other roles nest under their name, so roles sharing
+        # a dump_dir never share a step directory.
+        self.directory = (run if role == "rollout" else run / safe_name(role)) / namespace.shape
 
     def path(self, step: int) -> Path:
         return self.directory / str(int(step))

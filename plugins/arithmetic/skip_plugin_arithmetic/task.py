@@ -147,6 +147,9 @@ class ArithmeticTask(Task):
     name = "arithmetic"
     data_sources = (DATA_SOURCE,)
 
+    def check_options(self, options: Mapping[str, Any]) -> None:
+        parse_options(options)
+
     def prepare(self, directory: Path, options: Any, progress: bool = True) -> TaskAssets:
         settings = parse_options(options)
         directory = Path(directory)

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
 from skip_core.batch import Batch
 from skip_core.config import ConfigError, to_container
 
@@ -46,16 +46,29 @@ class DataConfig(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
+    train_files: list[StrictStr] = Field([], description="a list of parquet or JSON-lines files")
+    val_files: list[StrictStr] = Field([], description="a list of parquet or JSON-lines files")
     prompt_key: StrictStr = Field("prompt", min_length=1, description="a non-empty column name")
     max_prompt_length: StrictInt = Field(gt=0, description="an integer > 0")
+    max_response_length: StrictInt = Field(512, gt=0, description="an integer > 0")
     truncation: Literal["left", "right", "middle", "error"] = Field(
         "error", description="one of left, right, middle, error"
     )
     filter_overlong_prompts: StrictBool = Field(True, description="true or false")
+    train_batch_size: StrictInt = Field(1024, gt=0, description="an integer > 0")
+    shuffle: StrictBool = Field(True, description="true or false")
+    seed: StrictInt = Field(0, ge=0, description="an integer >= 0")
+
+    @field_validator("train_files", "val_files", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return [value] if isinstance(value, (str, os.PathLike)) else value
 
 
 def parse_data_config(raw: Any) -> DataConfig:
     """Validate the ``data`` section; a null value means the default, as it does in verl's YAML."""
+    if isinstance(raw, DataConfig):
+        return raw
     raw = to_container(raw)
     if not isinstance(raw, Mapping):
         raise ConfigError(f"data: expected a mapping of settings, got {raw!r}")

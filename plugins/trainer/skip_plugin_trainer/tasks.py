@@ -8,6 +8,7 @@ default; a user's own task registers through ``skip_register_tasks``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,9 @@ class Task(ABC):
 
         Idempotent: a second call finds everything in place and returns at once.
         """
+
+    def check_options(self, options: Mapping[str, Any]) -> None:  # noqa: B027 (optional: no options to check)
+        """Raise ``ConfigError`` naming ``task.<key>`` for a bad option, before any work starts."""
 
     @abstractmethod
     def score(self, response: str, ground_truth: str) -> float:

@@ -99,6 +99,37 @@ def test_two_steps_train_then_the_cache_replays_generation(ray_session, task_dir
     assert replayed[0]["actor/pg_loss"] == pytest.approx(rows[0]["actor/pg_loss"], abs=1e-6)
 
 
+def test_the_ref_log_prob_role_replays_the_reference_exactly(ray_session, task_dir, tmp_path):
+    """A second role, from plugin_template: replayed reference log-probs give the same KL and losses."""
+    kl = (
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=-1",
+        "trainer.resume_mode=disable",
+        "actor.use_kl_loss=true",
+        "actor.entropy_coeff=0.01",
+        "skip.rollout.enable=true",
+        "skip.ref_log_prob.enable=true",
+        "skip.ref_log_prob.steps=[1,2]",
+        f"skip.ref_log_prob.dump_dir={tmp_path / 'cache'}",  # beside the rollout's: roles never collide
+    )
+    train(task_dir, tmp_path, *kl)
+    rows = metrics(tmp_path / "run")
+    roles = sorted((verify(p)["role"], int(p.name)) for p in scan(tmp_path / "cache"))
+    assert roles == [("ref_log_prob", 1), ("ref_log_prob", 2), ("rollout", 1), ("rollout", 2)]
+
+    train(task_dir, tmp_path, *kl, "profiling.enable=true", f"profiling.dir={tmp_path / 'profile'}")
+    replayed = metrics(tmp_path / "run")
+    for key in ("actor/kl_loss", "actor/pg_loss", "actor/grad_norm"):
+        assert replayed[0][key] == pytest.approx(rows[0][key], rel=1e-6, abs=1e-9), key
+    lookups = [
+        event
+        for path in sorted((tmp_path / "profile").glob("step_*/worker_-1.jsonl"))
+        for event in map(json.loads, path.read_text().splitlines())
+        if event["event"] == "skip_lookup" and event["extra"].get("role") == "ref_log_prob"
+    ]
+    assert [(event["step"], event["extra"]["cache"]) for event in lookups] == [(1, "hit"), (2, "hit")]
+
+
 def test_a_finished_run_resumes_to_nothing_and_still_reports(ray_session, task_dir, tmp_path):
     first, _ = train(task_dir, tmp_path, "trainer.total_training_steps=1", "trainer.save_freq=1")
     assert first.global_steps == 1

@@ -12,7 +12,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
-from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from skip_core import spans
@@ -21,55 +20,29 @@ from skip_core.config import ConfigError
 from skip_core.manager import SkipManager
 
 from skip_plugin_trainer.rollout.padding import merge_rollout_stats
+from skip_plugin_trainer.settings import RolloutSettings
 
 POOL_TIMEOUT_S = 60
 
 
-class RolloutPool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    workers: PositiveInt = 1
-    cpus_per_worker: PositiveFloat = 1
-
-
-class ActorPool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    cpus: PositiveFloat = 1
-
-
-class Resources(BaseModel):
-    """``resources``: the local Ray's CPUs (``num_cpus``, ignored when joining ``RAY_ADDRESS``)
-    and each pool's share. ``torch_threads`` caps every worker's intra-op threads (default:
-    its pool's CPUs, at least one)."""
-
-    model_config = ConfigDict(extra="forbid")
-    num_cpus: PositiveInt | None = None
-    torch_threads: PositiveInt | None = None
-    rollout: RolloutPool = RolloutPool()
-    actor: ActorPool = ActorPool()
-
-    def threads(self, cpus: float) -> int:
-        return self.torch_threads or max(1, int(cpus))
-
-
 class RolloutWorker:
-    """One agent loop and backend, built in the worker process from the resolved run config.
+    """One agent loop and backend, built in the worker process from the run's settings.
 
-    ``rank`` names the worker in profiles; spans of work outside a rollout (weight loads)
-    carry the step of the last batch it generated.
+    ``config`` is the resolved run config, for the plugins that read their own section
+    (profiling). ``rank`` names the worker in profiles; spans of work outside a rollout
+    (weight loads) carry the step of the last batch it generated.
     """
 
-    def __init__(self, config: Mapping[str, Any], threads: int, rank: int) -> None:
+    def __init__(self, settings: RolloutSettings, config: Mapping[str, Any], threads: int, rank: int) -> None:
         import torch
-        from omegaconf import OmegaConf
         from transformers.utils import logging as hf_logging
 
-        from skip_plugin_trainer.rollout.job import RolloutParts, load_tokenizer
+        from skip_plugin_trainer.rollout.parts import RolloutParts, load_tokenizer
 
         hf_logging.disable_progress_bar()
         torch.set_num_threads(threads)
-        conf = OmegaConf.create(dict(config))
-        spans.configure(conf, worker=rank)
-        self.loop = RolloutParts.from_config(conf).agent_loop(conf, load_tokenizer(conf))
+        spans.configure(config, worker=rank)
+        self.loop = RolloutParts.from_settings(settings).agent_loop(settings, load_tokenizer(settings))
         self.step = 0
 
     def generate_sequences(self, prompts: Batch) -> Batch:

@@ -1,0 +1,21 @@
+"""Role ``ref_log_prob`` for skip.
+
+skip role 'ref_log_prob': replay the reference policy's log-probs on chosen trainer steps
+
+Decorate the function whose result the role caches with
+``@SkipManager.annotate(role="ref_log_prob")`` and call ``SkipManager.set_step`` each
+trainer step. The function must return a ``skip_core.Batch``. The ``cache`` and
+``repeat`` actions come from core's default implementation of the per-call hooks.
+"""
+
+from skip_core import Role, hookimpl
+
+ROLE = Role(
+    name="ref_log_prob",
+    description="skip role 'ref_log_prob': replay the reference policy's log-probs on chosen trainer steps",
+)
+
+
+@hookimpl
+def skip_register_roles(register):
+    register(ROLE)

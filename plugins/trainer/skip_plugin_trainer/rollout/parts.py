@@ -1,0 +1,62 @@
+"""The rollout side of a run, built from its settings: the task's assets, the tokenizer, the
+tools and parser, the backend, the agent loop and the prompt stream. ``skip rollout``, the
+trainer and each rollout worker build theirs here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from skip_core.backend import RolloutBackend, backend_factory
+
+from skip_plugin_trainer.data import DataConfig, PromptLoader, RLDataset
+from skip_plugin_trainer.rollout.agent_loop import AgentLoop
+from skip_plugin_trainer.rollout.tools import Tool, ToolParser, load_tools, tool_parser
+from skip_plugin_trainer.settings import RolloutSettings
+
+
+def prepare_task(settings: RolloutSettings) -> None:
+    """Let the configured task create what is missing (data files, a warmed-up model)."""
+    if settings.task.name is None:
+        return
+    from skip_core.plugins import registry
+
+    registry().tasks[settings.task.name].prepare(Path(settings.task.dir), settings.task.options)
+
+
+def load_tokenizer(settings: RolloutSettings) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(settings.model_path())
+
+
+@dataclass(frozen=True)
+class RolloutParts:
+    """Everything the agent loop needs that settings alone decide, checked before any work."""
+
+    tools: dict[str, Tool]
+    parser: ToolParser
+    backend: Callable[[Any], RolloutBackend]
+
+    @classmethod
+    def from_settings(cls, settings: RolloutSettings) -> RolloutParts:
+        from skip_core.plugins import registry
+
+        turns = settings.rollout.multi_turn
+        backend = backend_factory(settings.backend, registry().backends)
+        return cls(load_tools(turns.tools_config), tool_parser(turns.format), backend)
+
+    def agent_loop(self, settings: RolloutSettings, tokenizer: Any) -> AgentLoop:
+        """Start the backend on the model of ``model.path``."""
+        section = OmegaConf.create({**settings.backend_section, "model_path": str(settings.model_path())})
+        return AgentLoop(self.backend(section), tokenizer, settings.rollout, self.tools, self.parser)
+
+
+def prompt_loader(data: DataConfig, tokenizer: Any, tools: dict[str, Tool]) -> PromptLoader:
+    """The training prompts of ``data.train_files`` as a resumable stream of batches."""
+    schemas = {name: tool.schema for name, tool in tools.items()}
+    dataset = RLDataset(data.train_files, tokenizer, data, schemas)
+    return PromptLoader(dataset, batch_size=data.train_batch_size, shuffle=data.shuffle, seed=data.seed)

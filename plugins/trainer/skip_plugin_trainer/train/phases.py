@@ -1,0 +1,91 @@
+"""The training phases of a step on a rolled-out batch: reward, old and reference log-probs,
+advantages and the actor update (verl's order). The driver computes rewards and advantages;
+log-probs and the update run on the policy worker, which sees only ``ACTOR_INPUTS``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from skip_core.batch import Batch
+from skip_core.manager import SkipManager
+from skip_core.schedule import StepRecord
+
+from skip_plugin_trainer.settings import RunSettings
+from skip_plugin_trainer.train.algorithm import agg_loss, apply_kl_penalty, compute_advantages
+from skip_plugin_trainer.train.reward import Rewarder
+
+# What the policy worker reads; nothing else crosses to it.
+ACTOR_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+
+
+class Phases:
+    def __init__(self, settings: RunSettings, actor: Any, rewarder: Rewarder) -> None:
+        self.settings, self.actor, self.rewarder = settings, actor, rewarder
+
+    def train(self, batch: Batch, record: StepRecord) -> None:
+        with record.timed("reward"):
+            self.compute_reward(batch)
+        with record.timed("old_log_prob"):
+            record.metrics.update(self.compute_old_log_prob(batch))
+        if self.settings.use_reference:
+            with record.timed("ref"):
+                ref = self.compute_ref_log_prob(batch.select(ACTOR_INPUTS, [], []))
+                batch.batch["ref_log_prob"] = ref.batch["ref_log_prob"]
+        with record.timed("adv"):
+            record.metrics.update(self.compute_advantage(batch))
+        with record.timed("update_actor"):
+            record.metrics.update(self.update_actor(batch))
+
+    def compute_reward(self, batch: Batch) -> None:
+        scores, parts = self.rewarder(batch)
+        batch.batch["token_level_scores"] = scores
+        batch.non_tensor_batch.update(parts)
+
+    def compute_old_log_prob(self, batch: Batch) -> dict[str, float]:
+        out = ray.get(self.actor.compute_log_prob.remote(batch.select(ACTOR_INPUTS, [], [])))
+        batch.batch["old_log_probs"] = out.batch["old_log_probs"]
+        mask = batch.batch["response_mask"]
+        metrics = {"actor/entropy": agg_loss(out.batch["entropys"], mask, self.settings.actor.loss_agg_mode).item()}
+        if "rollout_log_probs" in batch.batch and mask.any():
+            # How far the engine's log-probs are from the trainer's: a mismatch bias in the ratio.
+            diff = (batch.batch["rollout_log_probs"].exp() - out.batch["old_log_probs"].exp()).abs()[mask.bool()]
+            metrics["training/rollout_probs_diff_max"] = diff.max().item()
+            metrics["training/rollout_probs_diff_mean"] = diff.mean().item()
+        return metrics
+
+    @SkipManager.annotate(role="ref_log_prob")
+    def compute_ref_log_prob(self, inputs: Batch) -> Batch:
+        """Log-probs of the responses under the frozen reference model: skip's ``ref_log_prob``
+        role replays them on its steps (exact: same reference weights, same inputs)."""
+        return ray.get(self.actor.compute_ref_log_prob.remote(inputs))
+
+    def compute_advantage(self, batch: Batch) -> dict[str, float]:
+        algo, metrics = self.settings.algorithm, {}
+        scores, mask = batch.batch["token_level_scores"], batch.batch["response_mask"]
+        if algo.use_kl_in_reward:
+            rewards, kl = apply_kl_penalty(
+                scores, mask, batch.batch["old_log_probs"], batch.batch["ref_log_prob"],
+                coef=algo.kl_coef, mode=algo.kl_penalty,
+            )  # fmt: skip
+            batch.batch["token_level_rewards"] = rewards
+            metrics = {"actor/reward_kl_penalty": kl, "actor/reward_kl_penalty_coeff": algo.kl_coef}
+        else:
+            batch.batch["token_level_rewards"] = scores
+        advantages, returns = compute_advantages(
+            algo.adv_estimator,
+            batch.batch["token_level_rewards"],
+            mask,
+            batch.non_tensor_batch["uid"],
+            gamma=algo.gamma,
+            norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
+        )
+        batch.batch["advantages"], batch.batch["returns"] = advantages, returns
+        return metrics
+
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        keys = [*ACTOR_INPUTS, "old_log_probs", "advantages"]
+        if self.settings.actor.use_kl_loss:
+            keys.append("ref_log_prob")
+        return ray.get(self.actor.update.remote(batch.select(keys, [], [])))
