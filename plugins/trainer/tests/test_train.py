@@ -172,6 +172,12 @@ def cli_run(*args):
         ("trainer.logger=[console,mlflow]", "trainer.logger: unknown logger 'mlflow'; allowed: console, jsonl"),
         ("trainer.resume_mode=resume_path", "trainer.resume_from_path: required"),
         ("resources.rollout.workers=3", "resources.rollout.workers: 3 workers cannot split data.train_batch_size=4"),
+        ("data.train_batch_size=0", "data.train_batch_size: expected an integer > 0, got 0"),
+        ("data.shuffle=maybe", "data.shuffle: expected true or false, got 'maybe'"),
+        ("task.warmup_steps=-1", "task.warmup_steps: expected an integer >= 0, got -1"),
+        ("task.name=chess", "task.name: unknown task 'chess' (installed: arithmetic)"),
+        ("rollout.backend=vllm", "rollout.backend: unknown backend 'vllm' (installed: hf)"),
+        ("rollout.top_p=2", "rollout.top_p"),
     ],
 )
 def test_bad_input_fails_before_the_first_step(task_dir, tmp_path, override, message):
