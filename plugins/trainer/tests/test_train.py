@@ -15,9 +15,10 @@ from click.testing import CliRunner
 from rich.console import Console
 from skip_core import encoding
 from skip_core.cli import cli
+from skip_core.schedule import StepRecord
 from skip_core.store import scan, verify
 from skip_plugin_trainer.commands import compose_config
-from skip_plugin_trainer.train.trainer import run
+from skip_plugin_trainer.train.trainer import Trainer, run
 from skiptests import CONFIGS
 
 SMALL = [
@@ -128,6 +129,25 @@ def test_the_ref_log_prob_role_replays_the_reference_exactly(ray_session, task_d
         if event["event"] == "skip_lookup" and event["extra"].get("role") == "ref_log_prob"
     ]
     assert [(event["step"], event["extra"]["cache"]) for event in lookups] == [(1, "hit"), (2, "hit")]
+
+
+def test_generate_returns_at_once_and_weights_wait_for_it(ray_session, task_dir, tmp_path):
+    """The schedule contract: a generation runs in the background; weights cannot move under it."""
+    config = compose_config(CONFIGS, "run", tuple(overrides(task_dir, tmp_path, "trainer.resume_mode=disable")))
+    trainer = Trainer(config, Console(record=True))
+    try:
+        trainer.start()
+        future = trainer.generate(trainer.prompts(), 1)
+        assert not future.done()
+        with pytest.raises(RuntimeError, match="a generation is in flight"):
+            trainer.sync_weights(StepRecord(1))
+        batch = future.result(timeout=120)
+        assert len(batch) == 8 and "responses" in batch.batch  # 4 prompts x rollout.n=2
+        record = StepRecord(1)
+        trainer.sync_weights(record)
+        assert record.timing["update_weights"] > 0
+    finally:
+        trainer.close()
 
 
 def test_a_finished_run_resumes_to_nothing_and_still_reports(ray_session, task_dir, tmp_path):
