@@ -97,6 +97,12 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def task_dir(tiny_model_dir):
+    """The directory of the session's embedded default, for ``task.dir``."""
+    return tiny_model_dir.parent
+
+
+@pytest.fixture(scope="session")
 def ray_session():
     """One local Ray for every in-process training test, shut down at the end of the session."""
     import ray

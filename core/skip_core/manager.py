@@ -3,7 +3,8 @@
 The facade keeps verl's class methods, but no per-call state lives on it: the step of an
 online role is resolved per call and passed down as an argument, so concurrent asyncio tasks
 and threads never see each other's step. The trainer step (``set_step``) is process-wide by
-design: it is the one clock of a sequential trainer loop.
+design: it is the one clock of a sequential trainer loop; ``step_scope`` binds another step to
+one context, for work that runs ahead of the loop in the background.
 
 Each role name has one ``_Slot``, created when the first function is decorated with it and
 filled by ``init``. A decorated call on a disabled role, or on a trainer step that is not
@@ -14,12 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import contextvars
 import functools
 import inspect
 import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
@@ -48,6 +50,13 @@ class _Clock:
 
 
 _clock = _Clock()
+# A trainer step bound to one context (``SkipManager.step_scope``) wins over the clock there.
+_scoped_step: contextvars.ContextVar[int | None] = contextvars.ContextVar("skip_step", default=None)
+
+
+def _trainer_step() -> int | None:
+    scoped = _scoped_step.get()
+    return _clock.step if scoped is None else scoped
 
 
 class _Slot:
@@ -77,7 +86,10 @@ class _Slot:
         if isinstance(meta, Mapping) and meta.get("validate"):
             return None  # validation never loads or dumps
         call = Call(fn, args, kwargs, signature)
-        step = pm.hook.skip_resolve_step(role=self.role, config=self.config, call=call) if self.online else _clock.step
+        if self.online:
+            step = pm.hook.skip_resolve_step(role=self.role, config=self.config, call=call)
+        else:
+            step = _trainer_step()
         if step is None or step not in self.steps:
             return None
         return step, call
@@ -187,6 +199,20 @@ class SkipManager:
         _clock.step = step
 
     @classmethod
+    @contextlib.contextmanager
+    def step_scope(cls, step: int) -> Iterator[None]:
+        """Calls in this context (and tasks or threads started from it with a copy of it) see
+        trainer step ``step``, whatever ``set_step`` says meanwhile: a generation running in the
+        background for step k+1 while the trainer trains step k, as overlapped schedules do."""
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"SkipManager.step_scope: expected an int step, got {step!r}")
+        token = _scoped_step.set(step)
+        try:
+            yield
+        finally:
+            _scoped_step.reset(token)
+
+    @classmethod
     def annotate(cls, role: str, **_: Any) -> Callable[[F], F]:
         """Decorate a function, coroutine function or method as a call of ``role``."""
         slot = _slot(role)
@@ -216,7 +242,7 @@ class SkipManager:
 
 def _sync_wrapper(slot: _Slot, fn: Callable, signature: inspect.Signature, position: int) -> Callable:
     def wrapper(*args, **kwargs):
-        if not slot.enabled or (not slot.online and _clock.step not in slot.steps):
+        if not slot.enabled or (not slot.online and _trainer_step() not in slot.steps):
             return fn(*args, **kwargs)
         plan = slot.plan(fn, signature, position, args, kwargs)
         if plan is None:
@@ -232,7 +258,7 @@ def _sync_wrapper(slot: _Slot, fn: Callable, signature: inspect.Signature, posit
 
 def _async_wrapper(slot: _Slot, fn: Callable, signature: inspect.Signature, position: int) -> Callable:
     async def wrapper(*args, **kwargs):
-        if not slot.enabled or (not slot.online and _clock.step not in slot.steps):
+        if not slot.enabled or (not slot.online and _trainer_step() not in slot.steps):
             return await fn(*args, **kwargs)
         plan = slot.plan(fn, signature, position, args, kwargs)
         if plan is None:

@@ -52,30 +52,38 @@ class Run(Protocol):
         """The training steps still to run: after the last checkpoint, up to the run's total."""
 
     def step(self, step: int) -> AbstractContextManager[StepRecord]:
-        """The context of one training step: timed as ``step``; on a normal exit its record is
-        logged and the step counts as done (a resumed run starts after it)."""
+        """The context of one training step: timed as ``step``; on a normal exit a checkpoint is
+        saved when due, the record is logged and the step counts as done (a resumed run starts
+        after it)."""
 
     def prompts(self) -> Any:
         """The next batch of training prompts; epochs follow each other without a gap."""
 
     def generate(self, prompts: Any, step: int) -> Future:
         """Start rolling out ``prompts`` for training step ``step`` with the rollout engines' current
-        weights; return at once. The future's result is the batch of prompts and samples.
-        ``SkipManager`` sees ``step`` as the trainer step of that call (skip roles wrap it)."""
+        weights; return at once. The future's result is the batch of prompts and samples, its
+        ``meta_info`` holding ``weight_version`` (the step whose weights generated it) and
+        ``generate_s`` (the generation's own seconds). Skip roles see ``step`` as its trainer step."""
 
     def train(self, batch: Any, record: StepRecord) -> None:
         """Reward, old log-probs, reference log-probs, advantages and the actor update on
         ``batch``, each phase timed in ``record``."""
 
-    def sync_weights(self, record: StepRecord) -> None:
-        """Push the actor's weights to the rollout engines (timed as ``update_weights``).
-        Raises ``RuntimeError`` while a generation is in flight."""
+    def sync_weights(self) -> None:
+        """Push the actor's weights to the rollout engines; ``RuntimeError`` while a generation is
+        in flight. The generations started afterwards use these weights."""
 
     def after_update(self, record: StepRecord) -> None:
-        """Validation and checkpoint, each when its frequency falls on ``record.step``."""
+        """Validation of the weights just updated, when its frequency falls on ``record.step``
+        (it waits for a generation in flight and brings the engines up to date first)."""
 
 
 class Schedule(ABC):
+    #: Whether generation overlaps training: samples then come from older weights (the trainer
+    #: defaults to using their rollout log-probs as PPO's old log-probs) and the rollout and
+    #: actor workers run at the same time (each gets only its own pool's CPUs).
+    overlapped: bool = False
+
     @abstractmethod
     def fit(self, run: Run) -> None:
         """Run every step of ``run.steps()``, each inside ``run.step(step)``."""

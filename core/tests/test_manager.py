@@ -400,3 +400,35 @@ generate(Batch.from_dict({{"input_ids": torch.zeros(256, 1)}}))
     (entry,) = scan(tmp_path)
     verify(entry)
     assert encoding.read(entry).batch["responses"].shape == (256, 32768)
+
+
+def test_a_step_scope_binds_its_context_while_the_clock_moves_on(tmp_path, generator):
+    """An overlapped schedule generates step 2 in the background while training step 1."""
+    SkipManager.init(run_config(tmp_path, steps=[2]))
+    SkipManager.set_step(1)
+    started, finish = threading.Event(), threading.Event()
+    out = {}
+
+    def background():
+        with SkipManager.step_scope(2):
+            started.set()
+            finish.wait(30)
+            out["batch"] = generator.generate_sequences(make_prompts())
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    started.wait(30)
+    SkipManager.set_step(3)  # the loop moves on; the background call still belongs to step 2
+    generator.generate_sequences(make_prompts())  # step 3: not listed, never dumped
+    finish.set()
+    thread.join(30)
+    SkipManager.flush()
+    assert steps_on_disk(tmp_path) == [2]
+    with SkipManager.step_scope(2):
+        assert generator.generate_sequences(make_prompts()).equals(out["batch"])
+    assert generator.calls == 2
+
+
+def test_step_scope_rejects_non_integers():
+    with pytest.raises(TypeError, match="expected an int"), SkipManager.step_scope("2"):
+        pass

@@ -43,8 +43,9 @@ class ActorPool(BaseModel):
 
 class Resources(BaseModel):
     """``resources``: the local Ray's CPUs (``num_cpus``, ignored when joining ``RAY_ADDRESS``)
-    and each pool's share. ``torch_threads`` caps every worker's intra-op threads (default:
-    its pool's CPUs, at least one)."""
+    and each pool's share. ``torch_threads`` sets every worker's intra-op threads; by default
+    a worker of an overlapped schedule gets its own pool's CPUs (they run at the same time),
+    and one of ``sync`` every CPU of both pools (one of them runs at a time)."""
 
     model_config = ConfigDict(extra="forbid")
     num_cpus: PositiveInt | None = None
@@ -52,8 +53,9 @@ class Resources(BaseModel):
     rollout: RolloutPool = RolloutPool()
     actor: ActorPool = ActorPool()
 
-    def threads(self, cpus: float) -> int:
-        return self.torch_threads or max(1, int(cpus))
+    def threads(self, cpus: float, overlapped: bool) -> int:
+        both = self.rollout.workers * self.rollout.cpus_per_worker + self.actor.cpus
+        return self.torch_threads or max(1, int(cpus if overlapped else both))
 
 
 class TaskConfig(BaseModel):
@@ -75,6 +77,22 @@ class ModelConfig(BaseModel):
     path: str | None = None
 
 
+class RolloutCorrection(BaseModel):
+    """``algorithm.rollout_correction``, verl's keys: how PPO treats samples whose engine log-probs
+    (the behaviour policy) differ from the trainer's, as they do when generation runs on older weights.
+
+    ``bypass_mode``: use the rollout log-probs as PPO's old log-probs (no recomputation); null
+    means on for overlapped schedules, off for ``sync``. Off, old log-probs are recomputed and
+    ``rollout_is`` (``token`` or ``sequence``) weights each token's loss by the importance ratio
+    old / rollout, truncated at ``rollout_is_threshold``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    bypass_mode: bool | None = None
+    rollout_is: Literal["token", "sequence"] | None = None
+    rollout_is_threshold: PositiveFloat = 2.0
+
+
 class AlgorithmConfig(BaseModel):
     """``algorithm``: the advantage estimator and the optional KL penalty in the reward."""
 
@@ -85,6 +103,7 @@ class AlgorithmConfig(BaseModel):
     use_kl_in_reward: bool = False
     kl_penalty: Literal["kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3"] = "kl"
     kl_coef: NonNegativeFloat = 0.001
+    rollout_correction: RolloutCorrection = RolloutCorrection()
 
 
 class TrainerConfig(BaseModel):
@@ -179,6 +198,13 @@ class RunSettings(RolloutSettings):
     def use_reference(self) -> bool:
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
+    def bypass_mode(self, overlapped: bool) -> bool:
+        """Whether the rollout log-probs serve as PPO's old log-probs (see ``RolloutCorrection``)."""
+        correction = self.algorithm.rollout_correction
+        if correction.bypass_mode is not None:
+            return correction.bypass_mode
+        return overlapped and correction.rollout_is is None
+
     def check_sizes(self) -> None:
         actor, n, batch = self.actor, self.rollout.n, self.data.train_batch_size
         if batch % actor.ppo_mini_batch_size:
@@ -196,6 +222,12 @@ class RunSettings(RolloutSettings):
             raise ConfigError(
                 f"resources.rollout.workers: {workers} workers cannot split "
                 f"data.train_batch_size={batch} prompts evenly"
+            )
+        correction = self.algorithm.rollout_correction
+        if correction.rollout_is and correction.bypass_mode:
+            raise ConfigError(
+                "algorithm.rollout_correction.rollout_is: needs bypass_mode=false (bypass uses the rollout "
+                "log-probs as the old ones, so every weight would be 1)"
             )
         if self.trainer.resume_mode == "resume_path" and not self.trainer.resume_from_path:
             raise ConfigError("trainer.resume_from_path: required with trainer.resume_mode=resume_path")

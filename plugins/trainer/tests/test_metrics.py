@@ -143,6 +143,26 @@ def test_resume_drops_repeated_steps_and_a_truncated_line(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no temp file left behind
 
 
+def test_a_staged_line_survives_a_crash_and_the_final_line_replaces_it(tmp_path):
+    """The step's line goes out before its checkpoint: killed in between, the resumed run keeps it."""
+    out = io.StringIO()
+    tracking = Tracking(["jsonl", "console"], tmp_path, console=Console(file=out, width=200))
+    tracking.log({"critic/score/mean": 0.1}, 1)
+    tracking.stage({"critic/score/mean": 0.2}, 2)
+    assert [r["critic/score/mean"] for r in _read(tmp_path)] == [0.1, 0.2]
+    assert "step 2" not in out.getvalue()  # staging writes the file only
+    resumed = Tracking(["jsonl"], tmp_path, resume_step=2)  # the crash: step 2's checkpoint exists
+    assert [r["step"] for r in resumed.history] == [1, 2]
+
+    tracking.log({"critic/score/mean": 0.2, "timing_s/save_checkpoint": 0.5}, 2)
+    assert [(r["step"], r.get("timing_s/save_checkpoint")) for r in _read(tmp_path)] == [(1, None), (2, 0.5)]
+    assert "step 2" in out.getvalue()
+
+
+def _read(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_unknown_backend_is_a_value_error(tmp_path):
     with pytest.raises(ValueError, match=r"'mlflow'.*allowed: console, jsonl, tensorboard, wandb"):
         Tracking(["jsonl", "mlflow"], tmp_path / "run")

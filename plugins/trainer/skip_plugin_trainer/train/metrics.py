@@ -183,6 +183,7 @@ class Tracking:
                 project=project, name=experiment, config=dict(config or {}), dir=str(self.run_dir)
             )
         self._active = list(dict.fromkeys(backends))
+        self._staged: dict[str, Any] | None = None
 
     def _log_console(self, record: dict[str, Any]) -> None:
         self._console.print(_console_line(record), markup=False, highlight=False)
@@ -204,15 +205,37 @@ class Tracking:
         self._active.remove(name)
         warnings.warn(f"metrics backend {name!r} failed and is disabled for this run: {exc!r}", MetricsWarning, 3)
 
+    def stage(self, data: Mapping[str, float], step: int) -> None:
+        """Write a step's metrics so far to metrics.jsonl only, before a checkpoint: a run killed
+        before ``log`` resumes after this step and keeps this line; ``log`` replaces it."""
+        if "jsonl" not in self._active:
+            return
+        self._staged = {"step": int(step), **{k: float(v) for k, v in data.items()}}
+        self._history.append(self._staged)
+        self._log("jsonl", self._staged)
+
     def log(self, data: Mapping[str, float], step: int) -> None:
         """Send one step's metrics to every live backend; a failing backend is warned about and dropped."""
         record = {"step": int(step), **{k: float(v) for k, v in data.items()}}
+        replaces = self._staged is not None and self._staged["step"] == record["step"]
+        if replaces:
+            self._history.remove(self._staged)
+        self._staged = None
         self._history.append(record)
         for name in list(self._active):
-            try:
+            if name == "jsonl" and replaces:
+                self._log(name, record, rewrite=True)
+            else:
+                self._log(name, record)
+
+    def _log(self, name: str, record: dict[str, Any], rewrite: bool = False) -> None:
+        try:
+            if rewrite:
+                write_atomic(self.jsonl_path, "".join(json.dumps(r) + "\n" for r in self.history).encode())
+            else:
                 getattr(self, f"_log_{name}")(record)
-            except Exception as exc:
-                self._disable(name, exc)
+        except Exception as exc:
+            self._disable(name, exc)
 
     @property
     def history(self) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ from skip_core.schedule import StepRecord
 
 from skip_plugin_trainer.settings import RunSettings
 from skip_plugin_trainer.train.algorithm import agg_loss, apply_kl_penalty, compute_advantages
+from skip_plugin_trainer.train.correction import rollout_is_weights
 from skip_plugin_trainer.train.reward import Rewarder
 
 # What the policy worker reads; nothing else crosses to it.
@@ -21,14 +22,24 @@ ACTOR_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses", "res
 
 
 class Phases:
-    def __init__(self, settings: RunSettings, actor: Any, rewarder: Rewarder) -> None:
+    """``overlapped``: the schedule generates with older weights, so by default the rollout
+    log-probs are PPO's old log-probs (``algorithm.rollout_correction.bypass_mode``)."""
+
+    def __init__(self, settings: RunSettings, actor: Any, rewarder: Rewarder, overlapped: bool) -> None:
         self.settings, self.actor, self.rewarder = settings, actor, rewarder
+        self.correction = settings.algorithm.rollout_correction
+        self.bypass = settings.bypass_mode(overlapped)
 
     def train(self, batch: Batch, record: StepRecord) -> None:
         with record.timed("reward"):
             self.compute_reward(batch)
-        with record.timed("old_log_prob"):
-            record.metrics.update(self.compute_old_log_prob(batch))
+        if self.bypass:
+            batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+        else:
+            with record.timed("old_log_prob"):
+                record.metrics.update(self.compute_old_log_prob(batch))
+                if self.correction.rollout_is:
+                    record.metrics.update(self.importance_weights(batch))
         if self.settings.use_reference:
             with record.timed("ref"):
                 ref = self.compute_ref_log_prob(batch.select(ACTOR_INPUTS, [], []))
@@ -53,6 +64,19 @@ class Phases:
             diff = (batch.batch["rollout_log_probs"].exp() - out.batch["old_log_probs"].exp()).abs()[mask.bool()]
             metrics["training/rollout_probs_diff_max"] = diff.max().item()
             metrics["training/rollout_probs_diff_mean"] = diff.mean().item()
+        return metrics
+
+    def importance_weights(self, batch: Batch) -> dict[str, float]:
+        """Per-token weights old / rollout (a sequence's product, with ``rollout_is=sequence``),
+        truncated at ``rollout_is_threshold``: the behaviour policy's samples, reweighted."""
+        weights, metrics = rollout_is_weights(
+            batch.batch["old_log_probs"],
+            batch.batch["rollout_log_probs"],
+            batch.batch["response_mask"],
+            level=self.correction.rollout_is,
+            threshold=self.correction.rollout_is_threshold,
+        )
+        batch.batch["rollout_is_weights"] = weights
         return metrics
 
     @SkipManager.annotate(role="ref_log_prob")
@@ -88,4 +112,6 @@ class Phases:
         keys = [*ACTOR_INPUTS, "old_log_probs", "advantages"]
         if self.settings.actor.use_kl_loss:
             keys.append("ref_log_prob")
+        if "rollout_is_weights" in batch.batch:
+            keys.append("rollout_is_weights")
         return ray.get(self.actor.update.remote(batch.select(keys, [], [])))

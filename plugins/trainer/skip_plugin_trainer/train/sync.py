@@ -17,5 +17,6 @@ class SyncSchedule(Schedule):
                 with record.timed("gen"):
                     batch = run.generate(prompts, step).result()
                 run.train(batch, record)
-                run.sync_weights(record)
+                with record.timed("update_weights"):
+                    run.sync_weights()
                 run.after_update(record)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import time
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -83,6 +84,9 @@ class Trainer:
         # One generation at a time, in the background: a schedule may train meanwhile.
         self._generator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skip-generate")
         self._in_flight: set[Future] = set()
+        # Weight versions: the step whose update the actor / the rollout engines hold.
+        self._actor_version = self._rollout_version = 0
+        self._loader_states: dict[int, dict | None] = {}
         spans.configure(config, worker=-1)
 
     def _data(self) -> tuple[PromptLoader, RLDataset | None]:
@@ -121,7 +125,8 @@ class Trainer:
         actor = Pool("actor", "resources.actor", 1, s.resources.actor.cpus)
         self.pools.append(actor)
         config = resolved or to_container(self.config)
-        threads = s.resources.threads(rollout.cpus)
+        overlapped = self.schedule.overlapped
+        threads = s.resources.threads(rollout.cpus, overlapped)
         self.rollout = RolloutGroup(rollout.spawn(RolloutWorker, s, config, threads, Pool.RANK))
         (self.actor,) = actor.spawn(
             Policy,
@@ -131,9 +136,9 @@ class Trainer:
             temperature=s.rollout.temperature,
             use_reference=s.use_reference,
             seed=s.trainer.seed,
-            threads=s.resources.threads(actor.cpus),
+            threads=s.resources.threads(actor.cpus, overlapped),
         )
-        self.phases = Phases(s, self.actor, self.rewarder)
+        self.phases = Phases(s, self.actor, self.rewarder, overlapped)
         self._resume()
         self.tracking = Tracking(
             s.trainer.logger,
@@ -188,52 +193,73 @@ class Trainer:
         SkipManager.set_step(step)
         with record.timed("step"):
             yield record
+            if self._due(self.settings.trainer.save_freq, step):
+                # The line goes out before the checkpoint: a run killed in between resumes after
+                # this step and must still have its metrics.
+                self.tracking.stage(self._metrics(record), step)
+                with record.timed("save_checkpoint"):
+                    self.save_checkpoint(step)
         self.global_steps = step
-        batch = record.batch
-        record.metrics.update(self._batch_metrics(batch))
-        record.metrics.update(timing_metrics(record.timing, batch))
-        record.metrics.update(throughput_metrics(record.timing, batch))
-        self.tracking.log(record.metrics, step)
+        self._loader_states.pop(step, None)
+        self.tracking.log(self._metrics(record), step)
         self._bar.advance(self._bar.task_ids[0])
+
+    def _metrics(self, record: StepRecord) -> dict[str, float]:
+        """The step's metrics; before the step's time is known (a staged line) without throughput."""
+        batch = record.batch
+        metrics = {**record.metrics, **self._batch_metrics(batch, record.step), **timing_metrics(record.timing, batch)}
+        if "step" in record.timing:
+            metrics.update(throughput_metrics(record.timing, batch))
+        return metrics
 
     def prompts(self) -> Batch:
         """The step's prompts: reading, chat templates and tokenization happen here (``data`` span)."""
         with spans.span("trainer/data"):
-            return next(self.loader)
+            batch = next(self.loader)
+        # A checkpoint records the loader where the batch it trained was drawn, not further on:
+        # an overlapped schedule has drawn the next batch already, which a resumed run must see.
+        batch.meta_info["loader_state"] = self.loader.state_dict()
+        return batch
 
     def generate(self, prompts: Batch, step: int) -> Future:
         """Roll out in the background; the result is the prompts joined with their samples
-        (verl's pop, repeat, union). The trainer step of the call is ``step``."""
-        SkipManager.set_step(step)
-        future = self._generator.submit(contextvars.copy_context().run, self._generate, prompts, step)
+        (verl's pop, repeat, union). Skip roles see ``step`` as the call's trainer step."""
+        self._loader_states[step] = prompts.meta_info.pop("loader_state", None)
+        version = self._rollout_version
+        future = self._generator.submit(contextvars.copy_context().run, self._generate, prompts, step, version)
         self._in_flight.add(future)
         future.add_done_callback(self._in_flight.discard)
         return future
 
-    def _generate(self, batch: Batch, step: int) -> Batch:
+    def _generate(self, batch: Batch, step: int, version: int) -> Batch:
+        start = time.perf_counter()
         gen_batch = batch.pop(GEN_TENSORS, [k for k in GEN_NON_TENSORS if k in batch.non_tensor_batch])
         gen_batch.meta_info["global_steps"] = step
-        output = self.rollout.generate_sequences(gen_batch)
+        with SkipManager.step_scope(step):
+            output = self.rollout.generate_sequences(gen_batch)
         batch.non_tensor_batch["uid"] = np.array([f"{step}:{i}" for i in range(len(batch))], dtype=object)
-        return batch.repeat(self.settings.rollout.n, interleave=True).union(output)
+        batch = batch.repeat(self.settings.rollout.n, interleave=True).union(output)
+        batch.meta_info.update(weight_version=version, generate_s=time.perf_counter() - start)
+        return batch
 
     def train(self, batch: Batch, record: StepRecord) -> None:
         record.batch = batch
+        # How many updates the weights that generated the batch lag behind the ones it trains.
+        record.metrics["training/staleness"] = float(self._actor_version - batch.meta_info["weight_version"])
         self.phases.train(batch, record)
+        self._actor_version = record.step
 
-    def sync_weights(self, record: StepRecord | None = None) -> None:
+    def sync_weights(self) -> None:
         if any(not future.done() for future in self._in_flight):
             raise RuntimeError("sync_weights: a generation is in flight; wait for it first")
-        with record.timed("update_weights") if record else contextlib.nullcontext():
-            self.rollout.update_weights(self.actor.state_dict.remote())
+        self.rollout.update_weights(self.actor.state_dict.remote())
+        self._rollout_version = self._actor_version
 
     def after_update(self, record: StepRecord) -> None:
         if self.val_set is not None and self._due(self.settings.trainer.test_freq, record.step):
             with record.timed("testing"):
+                self._catch_up()
                 record.metrics.update(self.validate(record.step))
-        if self._due(self.settings.trainer.save_freq, record.step):
-            with record.timed("save_checkpoint"):
-                self.save_checkpoint(record.step)
 
     # -- validation, checkpoints, metrics ------------------------------------------------
 
@@ -251,6 +277,14 @@ class Trainer:
         for source in sorted(set(sources)):
             metrics[f"val/{source}/score/mean"] = float(parts["score"][sources == source].mean())
         return metrics
+
+    def _catch_up(self) -> None:
+        """Validation measures the policy just updated: let a background generation finish (it
+        keeps the weights it started with) and bring the engines up to date."""
+        for future in list(self._in_flight):
+            future.result()
+        if self._rollout_version != self._actor_version:
+            self.sync_weights()
 
     def _due(self, every: int, step: int) -> bool:
         """Whether a ``*_freq`` event falls on ``step`` (the last step always counts)."""
@@ -271,21 +305,21 @@ class Trainer:
         ray.get(self.actor.load_checkpoint_state.remote(checkpoint.model, checkpoint.optimizer))
         self.sync_weights()
         restore_rng(checkpoint.rng)
-        self.global_steps = int(checkpoint.trainer["global_steps"])
+        self.global_steps = self._actor_version = self._rollout_version = int(checkpoint.trainer["global_steps"])
         self.console.print(f"resumed at step {self.global_steps} from {checkpoint.path}")
 
     def save_checkpoint(self, step: int) -> Path:
         model, optimizer = ray.get(self.actor.checkpoint_state.remote())
-        state = {"global_steps": step, "loader": self.loader.state_dict()}
+        state = {"global_steps": step, "loader": self._loader_states.get(step) or self.loader.state_dict()}
         return self.checkpoints.save(step, model, optimizer, state, capture_rng())
 
-    def _batch_metrics(self, batch: Batch) -> dict[str, float]:
+    def _batch_metrics(self, batch: Batch, step: int) -> dict[str, float]:
         metrics = data_metrics(batch)
         stats = batch.meta_info.get("rollout") or {}
         if "generated_tokens" in stats:
             metrics["rollout/generated_tokens"] = float(stats["generated_tokens"])
             metrics["rollout/tool_calls"] = float(stats["tool_calls"])
-        metrics["training/global_step"] = float(self.global_steps)
+        metrics["training/global_step"] = float(step)
         metrics["training/epoch"] = float(self.loader.epoch)
         return metrics
 

@@ -1,0 +1,63 @@
+"""Helpers of the tests that train: the small run every test uses, and how to start one in
+this process or as a separate ``skip run`` (for tests that kill it). The trainer is imported
+when a helper runs, not with this module."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from skiptests import CONFIGS
+
+SMALL = [
+    "task.train_size=64",
+    "task.val_size=8",
+    "task.warmup_steps=5",
+    "data.train_batch_size=4",
+    "data.max_response_length=64",
+    "rollout.n=2",
+    "actor.ppo_mini_batch_size=2",
+    "actor.ppo_micro_batch_size=2",
+    "trainer.val_before_train=false",
+    "resources.num_cpus=2",
+    "resources.torch_threads=1",
+]
+
+
+def overrides(task_dir, tmp_path, *more):
+    return [
+        *SMALL,
+        f"task.dir={task_dir}",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+        f"skip.rollout.dump_dir={tmp_path / 'cache'}",
+        *more,
+    ]
+
+
+def train(task_dir, tmp_path, *more):
+    """``skip run`` in this process (Ray from the ``ray_session`` fixture): the trainer and its console output."""
+    from rich.console import Console
+    from skip_plugin_trainer.commands import compose_config
+    from skip_plugin_trainer.train.trainer import run
+
+    config = compose_config(CONFIGS, "run", tuple(overrides(task_dir, tmp_path, *more)))
+    console = Console(record=True, width=200)
+    return run(config, console), console.export_text()
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+QUIET = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+
+
+def command(task_dir, tmp_path, *more):
+    exe = Path(sys.executable).parent / "skip"
+    return [str(exe), "run", "--config-dir", str(CONFIGS), *overrides(task_dir, tmp_path, *more)]
+
+
+def fingerprints(cache: Path) -> dict[str, str]:
+    from skip_core.store import scan, verify
+
+    return {p.name: verify(p)["fingerprint"] for p in scan(cache)}
