@@ -23,6 +23,7 @@ SHIPPED = {
     ("role", "ref_log_prob"): "plugins/ref_log_prob",
     ("backend", "hf"): "plugins/hf",
     ("schedule", "sync"): "plugins/trainer",
+    ("schedule", "one_step_off"): "plugins/one_step_off",
     ("task", "arithmetic"): "plugins/arithmetic",
     ("command", "run"): "plugins/trainer",
     ("command", "rollout"): "plugins/trainer",

@@ -120,10 +120,14 @@ class Trainer:
             options = {"address": address} if address else {"num_cpus": s.resources.num_cpus}
             ray.init(**options, include_dashboard=False, log_to_driver=True)
         resolved = OmegaConf.to_container(self.config, resolve=True) if OmegaConf.is_config(self.config) else None
-        rollout = Pool("rollout", "resources.rollout", s.resources.rollout.workers, s.resources.rollout.cpus_per_worker)
-        self.pools.append(rollout)
-        actor = Pool("actor", "resources.actor", 1, s.resources.actor.cpus)
-        self.pools.append(actor)
+        pools = [
+            ("rollout", "resources.rollout", s.resources.rollout.workers, s.resources.rollout.cpus_per_worker),
+            ("actor", "resources.actor", 1, s.resources.actor.cpus),
+        ]
+        Pool.check_capacity(pools)
+        for pool in pools:  # each joins self.pools at once: close() frees those placed before a failure
+            self.pools.append(Pool(*pool))
+        rollout, actor = self.pools
         config = resolved or to_container(self.config)
         overlapped = self.schedule.overlapped
         threads = s.resources.threads(rollout.cpus, overlapped)

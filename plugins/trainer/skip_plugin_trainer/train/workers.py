@@ -75,12 +75,17 @@ class Pool:
         ready, _ = ray.wait([self.group.ready()], timeout=POOL_TIMEOUT_S)
         if not ready:
             remove_placement_group(self.group)
-            have = ray.cluster_resources().get("CPU", 0)
-            raise ConfigError(
-                f"{key}: the {name} pool needs {bundles} x {cpus} CPU, which the Ray cluster ({have:g} CPU, "
-                "resources.num_cpus) cannot place next to the other pools"
-            )
+            raise ConfigError(_unplaceable(key, name, bundles, cpus))
         self.actors: list[Any] = []
+
+    @staticmethod
+    def check_capacity(pools: Sequence[tuple[str, str, int, float]]) -> None:
+        """Fail at once when the pools ``(name, key, bundles, cpus)`` need more CPUs than the whole
+        cluster has, instead of waiting for a placement that can never happen."""
+        have = ray.cluster_resources().get("CPU", 0)
+        if sum(bundles * cpus for _, _, bundles, cpus in pools) > have:
+            name, key, bundles, cpus = pools[-1]
+            raise ConfigError(_unplaceable(key, name, bundles, cpus))
 
     def spawn(self, cls: type, *args: Any, **kwargs: Any) -> list[Any]:
         remote = ray.remote(cls)
@@ -97,6 +102,14 @@ class Pool:
         for actor in self.actors:
             ray.kill(actor)
         remove_placement_group(self.group)
+
+
+def _unplaceable(key: str, name: str, bundles: int, cpus: float) -> str:
+    have = ray.cluster_resources().get("CPU", 0)
+    return (
+        f"{key}: the {name} pool needs {bundles} x {cpus:g} CPU, which the Ray cluster ({have:g} CPU, "
+        "resources.num_cpus) cannot place next to the other pools"
+    )
 
 
 class RolloutGroup:
