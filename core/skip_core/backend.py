@@ -5,7 +5,9 @@ Backends register through ``skip_register_backends`` and are chosen with
 turns concurrently; a backend batches the requests that are waiting itself.
 
 Cancelling the task awaiting ``generate`` aborts that request: the agent loop relies on it
-to enforce timeouts without leaving work running in the engine.
+to enforce timeouts without leaving work running in the engine. ``pause``/``resume`` let an
+asynchronous schedule swap weights under requests in flight (partial rollout); a backend that
+cannot do it says so when they are called.
 """
 
 from __future__ import annotations
@@ -87,6 +89,16 @@ class RolloutBackend(ABC):
     @abstractmethod
     async def shutdown(self) -> None:
         """Stop the engine and free its resources; pending requests end with ``abort``."""
+
+    async def pause(self) -> None:
+        """Stop generating at the next token: requests running return what they have so far with
+        finish reason ``abort`` (the agent loop continues them after ``resume``); requests that
+        arrive meanwhile wait. Returns once nothing runs, so weights can change under no one."""
+        raise NotImplementedError(f"rollout backend {type(self).__name__} cannot interrupt generation")
+
+    async def resume(self) -> None:
+        """Generate again after ``pause``."""
+        raise NotImplementedError(f"rollout backend {type(self).__name__} cannot interrupt generation")
 
 
 def create_backend(name: str, config: Any) -> RolloutBackend:

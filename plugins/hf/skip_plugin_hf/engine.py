@@ -77,8 +77,9 @@ class HFBackend(RolloutBackend):
         self._active: list[_Row] = []
         self._stream = random.Random()
         self._engine: asyncio.Task | None = None
-        self._arrived = asyncio.Event()
+        self._arrived, self._resumed, self._idle = asyncio.Event(), _event(True), _event(True)
         self._asleep = False
+        self._paused = False
         self._closed = False
 
     @cached_property
@@ -123,9 +124,20 @@ class HFBackend(RolloutBackend):
             await self._call(self.model.to, self.options.device)
         self._asleep = False
 
+    async def pause(self) -> None:
+        self._paused = True
+        self._resumed.clear()
+        await self._idle.wait()  # the running wave aborts its rows at the next token
+
+    async def resume(self) -> None:
+        self._paused = False
+        self._resumed.set()
+        self._arrived.set()
+
     async def shutdown(self) -> None:
         if self._closed:
             return
+        await self.resume()  # a paused engine must still see shutdown
         self._closed = True
         engine = self._engine
         if engine is not None and not engine.done() and engine.get_loop() is asyncio.get_running_loop():
@@ -143,12 +155,14 @@ class HFBackend(RolloutBackend):
         # One engine per event loop: a caller running asyncio.run per trainer step gets a fresh
         # engine each time (the previous loop cancelled its engine when it closed).
         if self._engine is None or self._engine.done() or self._engine.get_loop() is not loop:
-            self._arrived = asyncio.Event()
+            # Events bind to the loop that first waits on them: a new loop gets new ones.
+            self._arrived, self._resumed, self._idle = asyncio.Event(), _event(not self._paused), _event(True)
             self._engine = loop.create_task(self._serve(), name="skip-hf-engine")
 
     async def _serve(self) -> None:
         try:
             while not self._closed:
+                await self._resumed.wait()
                 rows = self._take_wave()
                 if rows:
                     await self._run_wave(rows)
@@ -168,6 +182,7 @@ class HFBackend(RolloutBackend):
 
     async def _run_wave(self, rows: list[_Row]) -> None:
         self._active = rows
+        self._idle.clear()
         self.stats.waves += 1
         self.stats.rows_per_wave.append(len(rows))
         try:
@@ -176,14 +191,15 @@ class HFBackend(RolloutBackend):
             for row in self._active:
                 if not row.request.future.done():
                     row.request.future.set_exception(exc)
-        self._abort(self._active)  # rows still running when shutdown() stopped the wave
+        self._abort(self._active)  # rows still running when shutdown() or pause() stopped the wave
         self._active = []
+        self._idle.set()
 
     async def _decode(self, rows: list[_Row]) -> None:
         wave = await self._call(
             Wave, self.model, [r.prompt for r in rows], [r.request.params for r in rows], [r.stream for r in rows]
         )
-        while not self._closed:
+        while not self._closed and not self._paused:
             tokens, log_probs = await self._call(self._step, wave)
             self._advance(rows, tokens, log_probs)
             running = [i for i, row in enumerate(rows) if not row.finished]
@@ -293,3 +309,10 @@ def _eos_token_ids(model: PreTrainedModel) -> frozenset[int]:
         if value is not None:
             ids.update([value] if isinstance(value, int) else value)
     return frozenset(ids)
+
+
+def _event(is_set: bool) -> asyncio.Event:
+    event = asyncio.Event()
+    if is_set:
+        event.set()
+    return event

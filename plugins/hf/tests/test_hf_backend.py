@@ -320,6 +320,49 @@ def test_shutdown_aborts_running_and_queued_requests(tiny_hf_model_dir):
         generate(backend, [1, 5], max_new_tokens=2)
 
 
+def test_pause_aborts_running_requests_with_their_tokens_and_holds_new_ones_until_resume(
+    tiny_hf_model_dir, other_hf_model_dir
+):
+    """Partial rollout: weights change under a paused engine; what arrives meanwhile waits."""
+    backend = make_backend(tiny_hf_model_dir)
+    other = make_backend(other_hf_model_dir)
+    state = {name: tensor.clone() for name, tensor in other.model.state_dict().items()}
+    seen = record_batches(backend)
+    params = SamplingParams(max_new_tokens=200, temperature=0)
+
+    async def main():
+        running = asyncio.create_task(backend.generate([1, 5], params, "running"))
+        await until(lambda: len(seen) >= 3)
+        await backend.pause()
+        assert running.done()  # pause returns once nothing runs
+        waiting = asyncio.create_task(
+            backend.generate([1, 60, 61, 62], SamplingParams(max_new_tokens=8, temperature=0), "w")
+        )
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        await backend.update_weights(state)
+        await backend.resume()
+        return await running, await waiting
+
+    [partial], [after] = asyncio.run(main())
+    assert partial.finish_reason == "abort" and 3 <= len(partial.token_ids) < 200
+    assert len(partial.log_probs) == len(partial.token_ids)
+    [target] = generate(other, [1, 60, 61, 62], max_new_tokens=8, temperature=0)
+    assert after.token_ids == target.token_ids  # generated after the pause, with the new weights
+
+
+def test_pause_and_resume_of_an_idle_engine_return_at_once(tiny_hf_model_dir):
+    backend = make_backend(tiny_hf_model_dir)
+
+    async def main():
+        await asyncio.wait_for(backend.pause(), 1)
+        await backend.resume()
+        return await backend.generate([1, 5], SamplingParams(max_new_tokens=3, temperature=0), "r")
+
+    [out] = asyncio.run(main())
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+
+
 def test_a_forward_error_fails_its_wave_and_the_engine_keeps_serving(tiny_hf_model_dir):
     backend = make_backend(tiny_hf_model_dir)
     failures = [RuntimeError("device lost")]
