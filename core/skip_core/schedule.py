@@ -69,9 +69,11 @@ class Run(Protocol):
         """Reward, old log-probs, reference log-probs, advantages and the actor update on
         ``batch``, each phase timed in ``record``."""
 
-    def sync_weights(self) -> None:
-        """Push the actor's weights to the rollout engines; ``RuntimeError`` while a generation is
-        in flight. The generations started afterwards use these weights."""
+    def sync_weights(self, interrupt: bool = False) -> None:
+        """Push the actor's weights to the rollout engines; the generations started afterwards use
+        them. ``RuntimeError`` while a generation is in flight, unless ``interrupt``: then the
+        engines pause, the requests running continue from their tokens so far with the new
+        weights (partial rollout), and each sample records the weight versions it saw."""
 
     def after_update(self, record: StepRecord) -> None:
         """Validation of the weights just updated, when its frequency falls on ``record.step``

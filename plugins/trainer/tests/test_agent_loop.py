@@ -6,11 +6,14 @@ padding under test are the real ones.
 """
 
 import asyncio
+import threading
+import time
 
 import pytest
 import torch
 from scripted_model import ScriptedBackend, call, make_loop, prompts
 from skip_core import SkipManager
+from skip_core.backend import Generation
 from skip_plugin_trainer.rollout.agent_loop import RolloutError
 from skip_plugin_trainer.rollout.chat import ChatFormat
 from skip_plugin_trainer.rollout.tools import Tool, ToolResponse
@@ -337,3 +340,46 @@ def test_async_rollout_role_loads_each_sample_by_its_feed_index(tokenizer, tmp_p
         f"Answer: What is {i} + 1?" for i in range(3)
     ]
     assert all(o.batch["response_mask"].sum() > 0 for o in outputs[1])
+
+
+def test_a_weight_update_with_interrupt_continues_requests_in_flight_with_the_new_weights(tokenizer, tiny_model_dir):
+    """Partial rollout on the real hf engine: requests cut by the pause finish from their tokens
+    so far, and each sample records the weight versions it was generated with."""
+    from skip_core.backend import create_backend
+    from transformers import AutoModelForCausalLM
+
+    backend = create_backend("hf", {"model_path": str(tiny_model_dir), "hf": {"device": "cpu"}})
+    loop = make_loop(tokenizer, backend, response_length=256, temperature=1.0, seed=0)
+    new_weights = {
+        k: v + 0.01 * torch.randn_like(v)
+        for k, v in AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict().items()
+    }
+    rolled = {}
+    worker = threading.Thread(
+        target=lambda: rolled.setdefault(
+            "batch", loop.generate_sequences(prompts(tokenizer, ["What is 482 * 37?"] * 8))
+        )
+    )
+    worker.start()
+    while backend.stats.forward_passes < 5:
+        time.sleep(0.005)
+    loop.update_weights(new_weights, version=1, interrupt=True)
+    worker.join(120)
+    loop.shutdown()
+    batch = rolled["batch"]
+    cut = batch.non_tensor_batch["interruptions"] > 0
+    assert cut.any()
+    assert (batch.non_tensor_batch["min_weight_version"][cut] == 0).all()
+    assert (batch.non_tensor_batch["max_weight_version"] == 1).any()
+    assert "abort" not in set(batch.non_tensor_batch["finish_reason"])
+
+
+def test_an_abort_nobody_asked_for_fails_the_request(tokenizer):
+    class Aborting(ScriptedBackend):
+        async def generate(self, prompt_ids, params, request_id):
+            return [Generation([5, 6], [-0.1, -0.2], "abort")]
+
+    loop = make_loop(tokenizer, Aborting(tokenizer, lambda q, turn: "x"))
+    with pytest.raises(RolloutError, match="aborted by the backend"):
+        loop.generate_sequences(prompts(tokenizer, ["What is 1 + 1?"]))
+    loop.shutdown()

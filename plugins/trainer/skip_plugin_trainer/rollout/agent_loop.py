@@ -27,7 +27,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt
 from skip_core import spans
-from skip_core.backend import RolloutBackend, SamplingParams
+from skip_core.backend import Generation, RolloutBackend, SamplingParams
 from skip_core.batch import Batch
 from skip_core.manager import SkipManager
 
@@ -111,6 +111,9 @@ class Request:
     log_probs: list[float] = field(default_factory=list)
     turns: int = 0
     tool_calls: int = 0
+    # The weight version of every engine call, and how often a pause cut one short.
+    weight_versions: list[int] = field(default_factory=list)
+    interruptions: int = 0
     tool_rewards: dict[str, float] = field(default_factory=dict)
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -146,7 +149,11 @@ class AgentLoop:
         self.tools = dict(tools or {})
         self.parser = parser
         self.rollouts = 0  # batches really generated: a skip cache hit never reaches the loop
+        self.weight_version = 0  # the trainer step whose weights the engine holds
+        self._pauses = 0  # how many times update_weights paused the engine under running requests
         self._loop = asyncio.new_event_loop()
+        self._weights_ready = asyncio.Event()  # clear while an interrupting update runs
+        self._weights_ready.set()
         threading.Thread(target=self._loop.run_forever, name="skip-agent-loop", daemon=True).start()
 
     # -- public entry points: the units skip roles replace --------------------------------
@@ -162,8 +169,26 @@ class AgentLoop:
         future = asyncio.run_coroutine_threadsafe(self._generate(prompts, sample_key=sample_id), self._loop)
         return await asyncio.wrap_future(future)
 
-    def update_weights(self, state_dict: Mapping[str, Any]) -> None:
-        self._call(self.backend.update_weights(state_dict))
+    def update_weights(self, state_dict: Mapping[str, Any], version: int = 0, interrupt: bool = False) -> None:
+        """Load the trainer's weights of step ``version``. ``interrupt``: pause the engine under
+        the requests in flight (they continue from their tokens so far with these weights)
+        instead of requiring that none runs."""
+        self._call(self._update_weights(state_dict, version, interrupt))
+
+    async def _update_weights(self, state_dict: Mapping[str, Any], version: int, interrupt: bool) -> None:
+        if not interrupt:
+            await self.backend.update_weights(state_dict)
+            self.weight_version = version
+            return
+        self._pauses += 1
+        self._weights_ready.clear()
+        await self.backend.pause()
+        try:
+            await self.backend.update_weights(state_dict)
+            self.weight_version = version
+        finally:
+            self._weights_ready.set()
+            await self.backend.resume()
 
     def sleep(self) -> None:
         self._call(self.backend.sleep())
@@ -302,7 +327,29 @@ class AgentLoop:
         else:
             self._complete(request, "stop")
 
-    async def _engine_call(self, request: Request, sampling: Sampling, budget: int):
+    async def _engine_call(self, request: Request, sampling: Sampling, budget: int) -> Generation:
+        """One turn's completion; one cut short by a weight update continues from its tokens so far."""
+        ids = request.prompt_ids + request.response_ids
+        where = f"request {request.batch_index}/{request.offset} (turn {request.turns + 1})"
+        tokens: list[int] = []
+        log_probs: list[float] = []
+        while True:
+            pauses = self._pauses
+            generation = await self._generate_once(request, sampling, ids + tokens, budget - len(tokens), where)
+            tokens += generation.token_ids
+            log_probs += generation.log_probs
+            if generation.finish_reason != "abort":
+                return Generation(tokens, log_probs, generation.finish_reason)
+            if self._pauses == pauses:  # not our pause: the engine gave up on the request
+                request.error = "aborted by the backend"
+                raise RolloutError(f"{where}: {request.error}")
+            request.interruptions += 1
+            if len(tokens) >= budget:
+                return Generation(tokens, log_probs, "length")
+
+    async def _generate_once(
+        self, request: Request, sampling: Sampling, ids: list[int], budget: int, where: str
+    ) -> Generation:
         params = SamplingParams(
             temperature=sampling.temperature,
             top_p=sampling.top_p,
@@ -310,10 +357,10 @@ class AgentLoop:
             max_new_tokens=budget,
             stop=tuple(self.config.stop),
             stop_token_ids=(*self.config.stop_token_ids, self.tokenizer.eos_token_id),
-            seed=None if request.seed is None else request.seed + request.turns,
+            seed=None if request.seed is None else request.seed + request.turns + request.interruptions,
         )
-        ids = request.prompt_ids + request.response_ids
-        where = f"request {request.batch_index}/{request.offset} (turn {request.turns + 1})"
+        await self._weights_ready.wait()  # a call made during an update runs (and counts) with the new weights
+        request.weight_versions.append(self.weight_version)
         try:
             with spans.span("generate", tokens_in=len(ids)) as span:
                 call = self.backend.generate(ids, params, request.request_id)
@@ -325,9 +372,6 @@ class AgentLoop:
         except Exception as exc:
             request.error = f"backend error: {exc!r}"
             raise RolloutError(f"{where}: {request.error}") from exc
-        if generation.finish_reason == "abort":
-            request.error = "aborted by the backend"
-            raise RolloutError(f"{where}: {request.error}")
         return generation
 
     def _parse_calls(self, text: str) -> list[ToolCall]:

@@ -40,6 +40,10 @@ def pad_requests(requests: Sequence[Any], prompt_length: int, response_length: i
             "num_turns": np.array([r.turns for r in requests], dtype=np.int64),
             "tool_calls": np.array([r.tool_calls for r in requests], dtype=np.int64),
             "finish_reason": np.array([r.finish_reason for r in requests], dtype=object),
+            # The weight versions a sample was generated with (several when a pause cut it).
+            "min_weight_version": np.array([min(r.weight_versions, default=0) for r in requests], dtype=np.int64),
+            "max_weight_version": np.array([max(r.weight_versions, default=0) for r in requests], dtype=np.int64),
+            "interruptions": np.array([r.interruptions for r in requests], dtype=np.int64),
         },
     )
 

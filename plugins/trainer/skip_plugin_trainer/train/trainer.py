@@ -253,10 +253,10 @@ class Trainer:
         self.phases.train(batch, record)
         self._actor_version = record.step
 
-    def sync_weights(self) -> None:
-        if any(not future.done() for future in self._in_flight):
+    def sync_weights(self, interrupt: bool = False) -> None:
+        if not interrupt and any(not future.done() for future in self._in_flight):
             raise RuntimeError("sync_weights: a generation is in flight; wait for it first")
-        self.rollout.update_weights(self.actor.state_dict.remote())
+        self.rollout.update_weights(self.actor.state_dict.remote(), self._actor_version, interrupt)
         self._rollout_version = self._actor_version
 
     def after_update(self, record: StepRecord) -> None:

@@ -49,9 +49,9 @@ class RolloutWorker:
         self.step = int(prompts.meta_info.get("global_steps", self.step))
         return self.loop.generate_sequences(prompts)
 
-    def update_weights(self, state_dict: Mapping[str, Any]) -> None:
+    def update_weights(self, state_dict: Mapping[str, Any], version: int, interrupt: bool) -> None:
         with spans.span("weight_sync", step=self.step):
-            self.loop.update_weights(state_dict)
+            self.loop.update_weights(state_dict, version, interrupt)
 
     def shutdown(self) -> None:
         """Stop the engine and write out the spans still buffered (``ray.kill`` would lose them)."""
@@ -151,10 +151,11 @@ class RolloutGroup:
             spans.record("barrier_wait", arrived[ref], last, workid=rank)
         return ray.get(futures)
 
-    def update_weights(self, state_dict: Any) -> None:
-        """Push new weights (a Ray object ref is fetched once per worker, not per call)."""
+    def update_weights(self, state_dict: Any, version: int, interrupt: bool = False) -> None:
+        """Push the weights of step ``version`` (a Ray object ref is fetched once per worker, not
+        per call); ``interrupt`` pauses generations in flight instead of requiring none."""
         with spans.span("weight_sync"):
-            ray.get([worker.update_weights.remote(state_dict) for worker in self.workers])
+            ray.get([worker.update_weights.remote(state_dict, version, interrupt) for worker in self.workers])
 
     def shutdown(self) -> None:
         ray.get([worker.shutdown.remote() for worker in self.workers])
