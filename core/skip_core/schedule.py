@@ -59,11 +59,13 @@ class Run(Protocol):
     def prompts(self) -> Any:
         """The next batch of training prompts; epochs follow each other without a gap."""
 
-    def generate(self, prompts: Any, step: int) -> Future:
+    def generate(self, prompts: Any, step: int, sample_id: str | None = None) -> Future:
         """Start rolling out ``prompts`` for training step ``step`` with the rollout engines' current
-        weights; return at once. The future's result is the batch of prompts and samples, its
-        ``meta_info`` holding ``weight_version`` (the step whose weights generated it) and
-        ``generate_s`` (the generation's own seconds). Skip roles see ``step`` as its trainer step."""
+        weights; return at once. The future's result is the batch of prompts and samples (each
+        with the ``min_weight_version``/``max_weight_version`` that generated it), its
+        ``meta_info["generate_s"]`` the generation's own seconds. Skip roles see ``step`` as its
+        trainer step; with ``sample_id`` (``sample_{epoch}_{index}``) ``prompts`` is one streamed
+        prompt, the call skip's ``async_rollout`` role wraps."""
 
     def train(self, batch: Any, record: StepRecord) -> None:
         """Reward, old log-probs, reference log-probs, advantages and the actor update on

@@ -100,7 +100,7 @@ def test_generate_returns_at_once_and_weights_wait_for_it(ray_session, task_dir,
             trainer.sync_weights()
         batch = future.result(timeout=120)
         assert len(batch) == 8 and "responses" in batch.batch  # 4 prompts x rollout.n=2
-        assert batch.meta_info["weight_version"] == 0 and batch.meta_info["generate_s"] > 0
+        assert set(batch.non_tensor_batch["max_weight_version"]) == {0} and batch.meta_info["generate_s"] > 0
         trainer.sync_weights()
     finally:
         trainer.close()

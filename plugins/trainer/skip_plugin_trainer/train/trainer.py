@@ -9,13 +9,15 @@ the same trainer runs colocated (``sync``) or overlapped schedules.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import os
+import threading
 import time
 import warnings
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,7 @@ from skip_plugin_trainer.train.workers import Pool, RolloutGroup, RolloutWorker
 # What the rollout workers need of a prompt batch; the rest stays with the trainer.
 GEN_TENSORS = ("input_ids", "attention_mask", "position_ids")
 GEN_NON_TENSORS = ("raw_prompt_ids", "raw_prompt", "tools_kwargs")
+STREAMED_PER_WORKER = 256
 
 
 class Trainer:
@@ -81,8 +84,10 @@ class Trainer:
         self.pools: list[Pool] = []
         self.tracking: Tracking | None = None
         self.rollout: RolloutGroup | None = None
-        # One generation at a time, in the background: a schedule may train meanwhile.
-        self._generator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skip-generate")
+        # Generations run on their own event loop: a schedule may train meanwhile, and streamed
+        # samples (many at once) wait on the rollout workers without a thread each.
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="skip-generate", daemon=True).start()
         self._in_flight: set[Future] = set()
         # Weight versions: the step whose update the actor / the rollout engines hold.
         self._actor_version = self._rollout_version = 0
@@ -131,7 +136,9 @@ class Trainer:
         config = resolved or to_container(self.config)
         overlapped = self.schedule.overlapped
         threads = s.resources.threads(rollout.cpus, overlapped)
-        self.rollout = RolloutGroup(rollout.spawn(RolloutWorker, s, config, threads, Pool.RANK))
+        # Many concurrent calls per worker: streamed samples each wait in one; the engine batches them.
+        workers = rollout.spawn(RolloutWorker, s, config, threads, Pool.RANK, concurrency=STREAMED_PER_WORKER)
+        self.rollout = RolloutGroup(workers)
         (self.actor,) = actor.spawn(
             Policy,
             str(s.model_path()),
@@ -167,7 +174,8 @@ class Trainer:
 
     def close(self) -> None:
         """Wait for generations and cache dumps, stop the workers and free the pools; safe after a failed start."""
-        self._generator.shutdown(wait=True, cancel_futures=True)
+        wait(list(self._in_flight))  # a generation still running finishes before its workers go
+        self._loop.call_soon_threadsafe(self._loop.stop)
         SkipManager.flush()
         if self.tracking is not None:
             self.tracking.close()
@@ -225,31 +233,39 @@ class Trainer:
         batch.meta_info["loader_state"] = self.loader.state_dict()
         return batch
 
-    def generate(self, prompts: Batch, step: int) -> Future:
+    def generate(self, prompts: Batch, step: int, sample_id: str | None = None) -> Future:
         """Roll out in the background; the result is the prompts joined with their samples
-        (verl's pop, repeat, union). Skip roles see ``step`` as the call's trainer step."""
-        self._loader_states[step] = prompts.meta_info.pop("loader_state", None)
-        version = self._rollout_version
-        future = self._generator.submit(contextvars.copy_context().run, self._generate, prompts, step, version)
+        (verl's pop, repeat, union). Skip roles see ``step`` as the call's trainer step; with
+        ``sample_id`` (``sample_{epoch}_{index}``) it is one streamed prompt (``async_rollout``)."""
+        state = prompts.meta_info.pop("loader_state", None)
+        if sample_id is None:
+            self._loader_states[step] = state
+        future = _submit(self._loop, self._generate(prompts, step, sample_id))
         self._in_flight.add(future)
         future.add_done_callback(self._in_flight.discard)
         return future
 
-    def _generate(self, batch: Batch, step: int, version: int) -> Batch:
+    async def _generate(self, batch: Batch, step: int, sample_id: str | None) -> Batch:
         start = time.perf_counter()
         gen_batch = batch.pop(GEN_TENSORS, [k for k in GEN_NON_TENSORS if k in batch.non_tensor_batch])
         gen_batch.meta_info["global_steps"] = step
-        with SkipManager.step_scope(step):
-            output = self.rollout.generate_sequences(gen_batch)
-        batch.non_tensor_batch["uid"] = np.array([f"{step}:{i}" for i in range(len(batch))], dtype=object)
+        if sample_id is None:
+            with SkipManager.step_scope(step):
+                output = await asyncio.to_thread(self.rollout.generate_sequences, gen_batch)
+        else:
+            output = await self.rollout.generate_sequences_single(gen_batch, sample_id)
+        base = int(gen_batch.meta_info.get("index_base", 0))  # the uid of a row as in its whole batch
+        batch.non_tensor_batch["uid"] = np.array([f"{step}:{base + i}" for i in range(len(batch))], dtype=object)
         batch = batch.repeat(self.settings.rollout.n, interleave=True).union(output)
-        batch.meta_info.update(weight_version=version, generate_s=time.perf_counter() - start)
+        batch.meta_info["generate_s"] = time.perf_counter() - start
         return batch
 
     def train(self, batch: Batch, record: StepRecord) -> None:
         record.batch = batch
-        # How many updates the weights that generated the batch lag behind the ones it trains.
-        record.metrics["training/staleness"] = float(self._actor_version - batch.meta_info["weight_version"])
+        # How many updates the weights that generated each sample lag behind the ones it trains.
+        stale = self._actor_version - batch.non_tensor_batch["min_weight_version"]
+        record.metrics["training/staleness"] = float(stale.mean())
+        record.metrics["training/staleness_max"] = float(stale.max())
         self.phases.train(batch, record)
         self._actor_version = record.step
 
@@ -307,9 +323,9 @@ class Trainer:
             return
         self.loader.load_state_dict(checkpoint.trainer["loader"])
         ray.get(self.actor.load_checkpoint_state.remote(checkpoint.model, checkpoint.optimizer))
+        self.global_steps = self._actor_version = int(checkpoint.trainer["global_steps"])
         self.sync_weights()
         restore_rng(checkpoint.rng)
-        self.global_steps = self._actor_version = self._rollout_version = int(checkpoint.trainer["global_steps"])
         self.console.print(f"resumed at step {self.global_steps} from {checkpoint.path}")
 
     def save_checkpoint(self, step: int) -> Path:
@@ -363,3 +379,20 @@ def run(config: Any, console: Console) -> Trainer:
         trainer.close()
     trainer.report()
     return trainer
+
+
+def _submit(loop: asyncio.AbstractEventLoop, coro: Any) -> Future:
+    """Run ``coro`` on ``loop`` in a copy of the caller's context (its span and step), as a
+    ``concurrent.futures.Future`` the caller may wait on from any thread."""
+    context, future = contextvars.copy_context(), Future()
+
+    def settle(task: asyncio.Task) -> None:
+        if task.cancelled():
+            future.cancel()
+        elif task.exception() is not None:
+            future.set_exception(task.exception())
+        else:
+            future.set_result(task.result())
+
+    loop.call_soon_threadsafe(lambda: loop.create_task(coro, context=context).add_done_callback(settle))
+    return future

@@ -87,11 +87,14 @@ class Pool:
             name, key, bundles, cpus = pools[-1]
             raise ConfigError(_unplaceable(key, name, bundles, cpus))
 
-    def spawn(self, cls: type, *args: Any, **kwargs: Any) -> list[Any]:
+    def spawn(self, cls: type, *args: Any, concurrency: int = 1, **kwargs: Any) -> list[Any]:
+        """One ``cls`` actor per bundle; ``concurrency`` calls may run in one actor at a time (threads)."""
         remote = ray.remote(cls)
         for index in range(self.group.bundle_count):
             strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index)
-            actor = remote.options(num_cpus=self.cpus, scheduling_strategy=strategy, name=None)
+            actor = remote.options(
+                num_cpus=self.cpus, scheduling_strategy=strategy, name=None, max_concurrency=concurrency
+            )
             ranked = [index if a is Pool.RANK else a for a in args]
             self.actors.append(actor.remote(*ranked, **{k: index if v is Pool.RANK else v for k, v in kwargs.items()}))
         # Wait for the constructors (model loading), so the first step's timing is the step's.
@@ -122,6 +125,7 @@ class RolloutGroup:
     def __init__(self, workers: Sequence[Any]) -> None:
         self.workers = list(workers)
         self.calls = 0
+        self._turn = 0
 
     @SkipManager.annotate(role="rollout")
     def generate_sequences(self, prompts: Batch) -> Batch:
@@ -129,14 +133,24 @@ class RolloutGroup:
         self.calls += 1
         parts = prompts.chunk(len(self.workers))
         futures = []
+        base = int(prompts.meta_info.get("index_base", 0))
         for rank, (worker, part) in enumerate(zip(self.workers, parts, strict=True)):
-            part.meta_info = {**prompts.meta_info, "index_base": rank * len(part)}
+            part.meta_info = {**prompts.meta_info, "index_base": base + rank * len(part)}
             futures.append(worker.generate_sequences.remote(part))
         outputs = self._gather(futures)
         with spans.span("batch_construction", workers=len(outputs)):
             merged = Batch.concat(outputs)
             merged.meta_info = {"rollout": merge_rollout_stats([out.meta_info["rollout"] for out in outputs])}
         return merged
+
+    @SkipManager.annotate(role="async_rollout")
+    async def generate_sequences_single(self, prompts: Batch, sample_id: str) -> Batch:
+        """One streamed prompt (``sample_{epoch}_{index}``), on the workers in turn: the unit skip's
+        ``async_rollout`` role wraps. Workers take many at once; their engines batch them."""
+        self.calls += 1
+        worker = self.workers[self._turn % len(self.workers)]
+        self._turn += 1
+        return await worker.generate_sequences.remote(prompts)
 
     @staticmethod
     def _gather(futures: list[Any]) -> list[Batch]:
