@@ -10,17 +10,22 @@ import pytest
 from training import QUIET, command, fingerprints, metrics
 
 
-@pytest.mark.parametrize("schedule", ["sync", "one_step_off"])
-def test_sigkill_resumes_at_the_next_step_with_the_same_data(task_dir, tmp_path, schedule):
+@pytest.mark.parametrize(
+    ("schedule", "role"),
+    [("sync", "rollout"), ("one_step_off", "rollout"), ("fully_async", "async_rollout")],
+)
+def test_sigkill_resumes_at_the_next_step_with_the_same_data(task_dir, tmp_path, schedule, role):
     """A run killed after its step-2 checkpoint resumes at step 3 and sees the batches an
-    uninterrupted run sees: the prompt fingerprints of every step's cache entry match, and a
-    resumed step whose prompts differ from its cached generation's fails the run."""
+    uninterrupted run sees: the prompt fingerprints of every step's (or streamed sample's)
+    cache entry match, and a resumed step whose prompts differ from its cached generation's
+    fails the run."""
     steps = (
         "trainer.total_training_steps=4",
         "trainer.save_freq=1",
         f"trainer.schedule={schedule}",
-        "skip.rollout.enable=true",
-        "skip.rollout.on_prompt_mismatch=error",
+        f"skip.{role}.enable=true",
+        f"skip.{role}.steps=[{','.join(map(str, range(1, 17)))}]",
+        f"skip.{role}.on_prompt_mismatch=error",
     )
     reference = tmp_path / "reference"
     subprocess.run(command(task_dir, reference, *steps), check=True, capture_output=True, timeout=300)

@@ -30,6 +30,7 @@ def overrides(task_dir, tmp_path, *more):
         f"task.dir={task_dir}",
         f"trainer.default_local_dir={tmp_path / 'run'}",
         f"skip.rollout.dump_dir={tmp_path / 'cache'}",
+        f"skip.async_rollout.dump_dir={tmp_path / 'cache'}",
         *more,
     ]
 

@@ -24,6 +24,7 @@ SHIPPED = {
     ("backend", "hf"): "plugins/hf",
     ("schedule", "sync"): "plugins/trainer",
     ("schedule", "one_step_off"): "plugins/one_step_off",
+    ("schedule", "fully_async"): "plugins/fully_async",
     ("task", "arithmetic"): "plugins/arithmetic",
     ("command", "run"): "plugins/trainer",
     ("command", "rollout"): "plugins/trainer",

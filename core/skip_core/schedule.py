@@ -33,6 +33,11 @@ class StepRecord:
     timing: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     batch: Any = None
+    #: Set by a schedule whose data position is not the batch it trained (it streams samples):
+    #: the prompt loader's state a resumed run starts from, and what else it needs (JSON), both
+    #: saved with this step's checkpoint.
+    loader_state: dict | None = None
+    schedule_state: dict | None = None
 
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:
@@ -57,7 +62,12 @@ class Run(Protocol):
         after it)."""
 
     def prompts(self) -> Any:
-        """The next batch of training prompts; epochs follow each other without a gap."""
+        """The next batch of training prompts; epochs follow each other without a gap. Its
+        ``meta_info`` says the ``epoch`` and the loader's state before and after drawing it
+        (``loader_state_before``, ``loader_state``)."""
+
+    def resume_state(self) -> dict | None:
+        """The ``schedule_state`` saved with the checkpoint this run resumed from, if any."""
 
     def generate(self, prompts: Any, step: int, sample_id: str | None = None) -> Future:
         """Start rolling out ``prompts`` for training step ``step`` with the rollout engines' current

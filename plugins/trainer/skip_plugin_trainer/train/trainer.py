@@ -92,6 +92,7 @@ class Trainer:
         # Weight versions: the step whose update the actor / the rollout engines hold.
         self._actor_version = self._rollout_version = 0
         self._loader_states: dict[int, dict | None] = {}
+        self._resumed_schedule_state: dict | None = None
         spans.configure(config, worker=-1)
 
     def _data(self) -> tuple[PromptLoader, RLDataset | None]:
@@ -210,7 +211,7 @@ class Trainer:
                 # this step and must still have its metrics.
                 self.tracking.stage(self._metrics(record), step)
                 with record.timed("save_checkpoint"):
-                    self.save_checkpoint(step)
+                    self.save_checkpoint(record)
         self.global_steps = step
         self._loader_states.pop(step, None)
         self.tracking.log(self._metrics(record), step)
@@ -226,11 +227,12 @@ class Trainer:
 
     def prompts(self) -> Batch:
         """The step's prompts: reading, chat templates and tokenization happen here (``data`` span)."""
+        before = self.loader.state_dict()
         with spans.span("trainer/data"):
             batch = next(self.loader)
         # A checkpoint records the loader where the batch it trained was drawn, not further on:
         # an overlapped schedule has drawn the next batch already, which a resumed run must see.
-        batch.meta_info["loader_state"] = self.loader.state_dict()
+        batch.meta_info.update(loader_state=self.loader.state_dict(), loader_state_before=before, epoch=before["epoch"])
         return batch
 
     def generate(self, prompts: Batch, step: int, sample_id: str | None = None) -> Future:
@@ -238,6 +240,8 @@ class Trainer:
         (verl's pop, repeat, union). Skip roles see ``step`` as the call's trainer step; with
         ``sample_id`` (``sample_{epoch}_{index}``) it is one streamed prompt (``async_rollout``)."""
         state = prompts.meta_info.pop("loader_state", None)
+        for key in ("loader_state_before", "epoch"):  # bookkeeping, not part of what is generated
+            prompts.meta_info.pop(key, None)
         if sample_id is None:
             self._loader_states[step] = state
         future = _submit(self._loop, self._generate(prompts, step, sample_id))
@@ -247,14 +251,14 @@ class Trainer:
 
     async def _generate(self, batch: Batch, step: int, sample_id: str | None) -> Batch:
         start = time.perf_counter()
+        base = int(batch.meta_info.get("index_base", 0))  # a streamed row is seeded as in its whole batch
         gen_batch = batch.pop(GEN_TENSORS, [k for k in GEN_NON_TENSORS if k in batch.non_tensor_batch])
-        gen_batch.meta_info["global_steps"] = step
+        gen_batch.meta_info.update(global_steps=step, index_base=base)
         if sample_id is None:
             with SkipManager.step_scope(step):
                 output = await asyncio.to_thread(self.rollout.generate_sequences, gen_batch)
         else:
             output = await self.rollout.generate_sequences_single(gen_batch, sample_id)
-        base = int(gen_batch.meta_info.get("index_base", 0))  # the uid of a row as in its whole batch
         batch.non_tensor_batch["uid"] = np.array([f"{step}:{base + i}" for i in range(len(batch))], dtype=object)
         batch = batch.repeat(self.settings.rollout.n, interleave=True).union(output)
         batch.meta_info["generate_s"] = time.perf_counter() - start
@@ -301,8 +305,9 @@ class Trainer:
     def _catch_up(self) -> None:
         """Validation measures the policy just updated: let a background generation finish (it
         keeps the weights it started with) and bring the engines up to date."""
-        for future in list(self._in_flight):
-            future.result()
+        while self._in_flight:  # a streaming schedule may start more until its staleness bound
+            for future in list(self._in_flight):
+                future.result()
         if self._rollout_version != self._actor_version:
             self.sync_weights()
 
@@ -324,14 +329,19 @@ class Trainer:
         self.loader.load_state_dict(checkpoint.trainer["loader"])
         ray.get(self.actor.load_checkpoint_state.remote(checkpoint.model, checkpoint.optimizer))
         self.global_steps = self._actor_version = int(checkpoint.trainer["global_steps"])
+        self._resumed_schedule_state = checkpoint.trainer.get("schedule")
         self.sync_weights()
         restore_rng(checkpoint.rng)
         self.console.print(f"resumed at step {self.global_steps} from {checkpoint.path}")
 
-    def save_checkpoint(self, step: int) -> Path:
+    def save_checkpoint(self, record: StepRecord) -> Path:
         model, optimizer = ray.get(self.actor.checkpoint_state.remote())
-        state = {"global_steps": step, "loader": self._loader_states.get(step) or self.loader.state_dict()}
-        return self.checkpoints.save(step, model, optimizer, state, capture_rng())
+        loader = record.loader_state or self._loader_states.get(record.step) or self.loader.state_dict()
+        state = {"global_steps": record.step, "loader": loader, "schedule": record.schedule_state}
+        return self.checkpoints.save(record.step, model, optimizer, state, capture_rng())
+
+    def resume_state(self) -> dict | None:
+        return self._resumed_schedule_state
 
     def _batch_metrics(self, batch: Batch, step: int) -> dict[str, float]:
         metrics = data_metrics(batch)
