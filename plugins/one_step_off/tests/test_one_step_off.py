@@ -65,6 +65,24 @@ def test_a_cached_run_loads_every_batch_instead_of_generating(ray_session, task_
     assert [row["critic/score/mean"] for row in metrics(tmp_path / "run")] == scores
 
 
+def test_without_bypass_old_log_probs_are_recomputed_and_importance_weighted(ray_session, task_dir, tmp_path):
+    train(
+        task_dir,
+        tmp_path,
+        *ONE_STEP_OFF,
+        "algorithm.rollout_correction.bypass_mode=false",
+        "algorithm.rollout_correction.rollout_is=token",
+    )
+    for row in metrics(tmp_path / "run"):
+        assert "timing_s/old_log_prob" in row and "training/rollout_probs_diff_mean" in row
+        assert (
+            row["rollout_corr/rollout_is_min"]
+            <= row["rollout_corr/rollout_is_mean"]
+            <= row["rollout_corr/rollout_is_max"]
+        )
+        assert 0 <= row["rollout_corr/rollout_is_truncated_frac"] <= 1
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [

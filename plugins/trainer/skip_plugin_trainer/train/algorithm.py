@@ -184,11 +184,13 @@ def policy_loss(
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float | None = 3.0,
     loss_agg_mode: str = "token-mean",
+    weights: Tensor | None = None,
 ) -> PolicyLoss:
     """PPO's clipped surrogate, which stops one batch from moving the policy far from the sampler.
 
     The dual clip bounds the loss of negative-advantage tokens whose ratio exploded, since an unbounded
     term there would dominate the batch. The log-ratio is clamped so ``exp`` cannot overflow.
+    ``weights`` scale each token's loss (rollout-correction importance weights).
     """
     if clip_ratio_c is not None and clip_ratio_c <= 1:
         raise ValueError(f"clip_ratio_c must be greater than 1, got {clip_ratio_c}")
@@ -200,6 +202,8 @@ def policy_loss(
     losses = torch.maximum(unclipped, clipped)
     if clip_ratio_c is not None:
         losses = torch.where(advantages < 0, torch.minimum(losses, -advantages * clip_ratio_c), losses)
+    if weights is not None:
+        losses = losses * weights.float()
     with torch.no_grad():
         clipfrac = masked_mean((clipped > unclipped).float(), response_mask).item()
         approx_kl = masked_mean(-log_ratio, response_mask).item()

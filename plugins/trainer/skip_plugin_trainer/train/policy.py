@@ -172,6 +172,7 @@ class Policy:
                 clip_ratio_high=cfg.clip_ratio_high,
                 clip_ratio_c=cfg.clip_ratio_c,
                 loss_agg_mode=cfg.loss_agg_mode,
+                weights=micro.batch.get("rollout_is_weights"),
             )
             loss = result.loss
             if cfg.entropy_coeff:
