@@ -2,13 +2,21 @@
 
 Everything is generated locally, so a run works offline from the first command: the train and
 validation parquet files (verl's row shape, tools named per row) and a tiny model warmed up
-to use the ``calculator`` tool (see ``skip_plugin_arithmetic.tiny_model``). The model starts good enough to
-follow the two-turn protocol and often right, so RL has something to improve from:
+to use the ``calculator`` tool (see ``skip_plugin_arithmetic.tiny_model``). The prompt asks for
+the result as ``Answer: <integer>``, which is all the exact-match score reads:
 
-    user:      What is 482 * 37?
+    user:      What is 482 * 37? Write the result as Answer: <integer>.
     assistant: <tool_call>{"name": "calculator", "arguments": {"expression": "482 * 37"}}</tool_call>
     tool:      17834
     assistant: Answer: 17834
+
+What RL has to learn is visible behaviour, not a skill a two-layer model cannot pick up from
+a few hundred rewards: the warm-up demonstrations end that way only ``GRADED_SHARE`` of the
+time, and otherwise restate the equation (``482 * 37 = 17834``) against the prompt's request,
+so the warmed-up model usually computes the right number and then writes it in a form that
+scores 0. Samples that follow the instruction win their group, and the validation score rises
+from that share towards the model's accuracy with the calculator within a few steps. Copying
+digits exactly stays hard for the model; its mistakes there are the score's ceiling.
 
 Options (the ``task`` config section; a missing key takes its default):
 
@@ -42,6 +50,9 @@ _ANSWER = re.compile(r"Answer:\s*(-?\d+)(?![.,]?\d)")
 # Warm-up demonstrations come from their own stream so the model never sees the RL prompts.
 _WARMUP_SPLIT = "warmup"
 _WARMUP_PROBLEMS = 4000
+GRADED_SHARE = 0.35
+"""How many warm-up demonstrations answer as the prompt asks; the others restate the equation."""
+INSTRUCTION = "Write the result as Answer: <integer>."
 
 
 def problem(rng: random.Random) -> tuple[str, str]:
@@ -71,7 +82,12 @@ def problems(split: str, size: int, seed: int) -> list[tuple[str, str]]:
 
 
 def prompt(expression: str) -> list[dict[str, str]]:
-    return [{"role": "user", "content": f"What is {expression}?"}]
+    return [{"role": "user", "content": f"What is {expression}? {INSTRUCTION}"}]
+
+
+def expression_of(question: str) -> str:
+    """The expression a prompt's question asks about (the inverse of ``prompt``)."""
+    return question.removeprefix("What is ").removesuffix(f"? {INSTRUCTION}")
 
 
 def rows(split: str, size: int, seed: int) -> list[dict[str, Any]]:
@@ -96,15 +112,42 @@ def rows(split: str, size: int, seed: int) -> list[dict[str, Any]]:
     ]
 
 
-def demonstration(expression: str, answer: str) -> list[dict[str, Any]]:
-    """The conversation a rollout should produce for one problem: call the tool, copy its result."""
-    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
-    return [
-        *prompt(expression),
-        {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "name": "calculator", "content": answer},
-        {"role": "assistant", "content": f"Answer: {answer}"},
-    ]
+def demonstration(expression: str, answer: str, graded: bool = True) -> list[dict[str, Any]]:
+    """A conversation of the calculator protocol for one problem: call the tool, copy its result.
+
+    ``graded`` ends it as the prompt asks, ``Answer: <result>``, the conversation a rollout
+    should produce; otherwise it restates the equation, ``<expression> = <result>``, which
+    holds the right number and scores 0.
+    """
+    conversation = prompt(expression)
+    for step, result in steps(expression, answer):
+        call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": step}}}
+        conversation.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        conversation.append({"role": "tool", "name": "calculator", "content": result})
+    final = f"Answer: {answer}" if graded else f"{expression} = {answer}"
+    return [*conversation, {"role": "assistant", "content": final}]
+
+
+def steps(expression: str, answer: str) -> list[tuple[str, str]]:
+    """The calculator calls a demonstration makes, one operation each, and their results:
+    ``(a op b) op c`` takes two, the second starting from the first's result."""
+    if not expression.startswith("("):
+        return [(expression, answer)]
+    inner, rest = expression[1:].split(")", 1)
+    first = str(_apply(inner))
+    return [(inner, first), (f"{first}{rest}", answer)]
+
+
+def _apply(expression: str) -> int:
+    """The value of ``a op b``, read by splitting, never evaluated as code."""
+    a, op, b = expression.split()
+    return _OPERATORS[op](int(a), int(b))
+
+
+def demonstrations(size: int, seed: int) -> list[list[dict[str, Any]]]:
+    """The warm-up's conversations: problems of their own split, ``GRADED_SHARE`` of them graded."""
+    rng = random.Random(f"{DATA_SOURCE}-{_WARMUP_SPLIT}-format-{seed}")
+    return [demonstration(*pair, graded=rng.random() < GRADED_SHARE) for pair in problems(_WARMUP_SPLIT, size, seed)]
 
 
 def score(response: str, ground_truth: str) -> float:
@@ -172,7 +215,7 @@ class ArithmeticTask(Task):
         log = target.parent / "build.log"
         if progress:
             print(f"building the embedded default's model in {target}: {steps} warm-up steps (progress in {log})")
-        conversations = [demonstration(*pair) for pair in problems(_WARMUP_SPLIT, _WARMUP_PROBLEMS, seed)]
+        conversations = demonstrations(_WARMUP_PROBLEMS, seed)
         tiny_model.build(target, conversations, [SCHEMA], steps=steps, seed=seed, progress=progress, log=log)
 
     def score(self, response: str, ground_truth: str) -> float:

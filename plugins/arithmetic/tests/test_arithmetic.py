@@ -11,23 +11,23 @@ from skip_core.plugins import registry
 from skip_plugin_arithmetic import task as arithmetic
 from skip_plugin_arithmetic import tiny_model
 from skip_plugin_arithmetic.calculator import SCHEMA, evaluate
-from skip_plugin_arithmetic.task import ArithmeticTask, parse_options, rows, score
+from skip_plugin_arithmetic.task import ArithmeticTask, expression_of, parse_options, rows, score
 from skip_plugin_trainer.rollout.chat import ChatFormat
 from skip_plugin_trainer.rollout.tools import HermesParser
 from skiptests import assert_umask_modes
 
 
 def expression(row) -> str:
-    return row["prompt"][0]["content"].removeprefix("What is ").removesuffix("?")
+    return expression_of(row["prompt"][0]["content"])
 
 
 def play(model, tokenizer, row, temperature: float = 1.0) -> str:
-    """One rollout of the two-turn protocol with ``generate``, the calculator run in between."""
+    """One rollout of the protocol with ``generate``, the calculator run after each call."""
     chat, parser = ChatFormat(tokenizer), HermesParser()
     ids = chat.prompt_ids(row["prompt"], [SCHEMA])
     start = len(ids)
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {}
-    for _ in range(2):
+    for _ in range(3):
         prompt = torch.tensor([ids])
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=48, **sampling)
         ids += out[0, len(ids) :].tolist()
@@ -65,7 +65,7 @@ def test_rows_are_shaped_like_verl():
     truth = row["reward_model"]["ground_truth"]
     assert row == {
         "data_source": "arithmetic",
-        "prompt": [{"role": "user", "content": f"What is {expression(row)}?"}],
+        "prompt": [{"role": "user", "content": f"What is {expression(row)}? Write the result as Answer: <integer>."}],
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": truth},
         "extra_info": {
@@ -148,18 +148,23 @@ def test_task_is_registered_by_default():
     assert task.score("Answer: 5", "5") == 1.0
 
 
-def test_a_demonstration_as_a_rollout_decodes_it_scores_full_marks(tiny_model_dir):
+@pytest.mark.parametrize("graded", [True, False])
+def test_a_demonstration_as_a_rollout_calls_one_operation_at_a_time_and_scores_by_its_format(tiny_model_dir, graded):
+    """Graded, it ends as the prompt asks and scores 1; otherwise it restates the equation,
+    the right number in the wrong form, and scores 0: what RL has to fix."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    row = rows("val", 1, seed=0)[0]
+    (row,) = [r for r in rows("val", 8, seed=0) if expression(r).startswith("(")][:1]
     truth = row["reward_model"]["ground_truth"]
-    conversation = arithmetic.demonstration(expression(row), truth)
+    conversation = arithmetic.demonstration(expression(row), truth, graded=graded)
     ids, sampled = tiny_model.conversation_ids(ChatFormat(tokenizer), conversation, [SCHEMA])
     response = tokenizer.decode(ids[sampled.index(True) :], skip_special_tokens=True)
-    _, calls = HermesParser().parse(response.split("</tool_call>")[0] + "</tool_call>")
-    assert evaluate(calls[0].arguments["expression"]) == truth
-    assert score(response, truth) == 1.0
+    calls = [HermesParser().parse(f"{turn}</tool_call>")[1][0] for turn in response.split("</tool_call>")[:-1]]
+    results = [evaluate(call.arguments["expression"]) for call in calls]
+    assert len(calls) == 2 and results[-1] == truth
+    assert calls[1].arguments["expression"].startswith(results[0])
+    assert response.endswith(truth) and score(response, truth) == float(graded)
 
 
 def test_the_model_plays_the_protocol(tiny_model_dir):
@@ -172,9 +177,10 @@ def test_the_model_plays_the_protocol(tiny_model_dir):
     assert isinstance(response, str) and response
 
 
-@pytest.mark.skipif(not os.environ.get("SKIP_CHECK_WARMUP"), reason="a minute of CPU; set SKIP_CHECK_WARMUP=1")
+@pytest.mark.skipif(not os.environ.get("SKIP_CHECK_WARMUP"), reason="two minutes of CPU; set SKIP_CHECK_WARMUP=1")
 def test_default_warm_up_leaves_room_for_rl(tmp_path):
-    """The default model, measured: follows the protocol, and is often but not always right."""
+    """The default model, measured: usually reaches the right number with the calculator, but
+    writes it as the prompt asks only about ``GRADED_SHARE`` of the time."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.perf_counter()
@@ -185,11 +191,12 @@ def test_default_warm_up_leaves_room_for_rl(tmp_path):
     torch.manual_seed(0)
     val = rows("val", 64, seed=0)
     responses = [play(model, tokenizer, row) for row in val]
-    called = sum(f'"expression": "{expression(row)}"' in text for row, text in zip(val, responses, strict=True))
-    right = sum(score(text, row["reward_model"]["ground_truth"]) for row, text in zip(val, responses, strict=True))
-    print(f"built in {built:.0f} s; exact tool call {called / 64:.0%}, right {right / 64:.0%} at temperature 1")
-    assert called / 64 >= 0.5
-    assert 0.2 <= right / 64 <= 0.9
+    truths = [row["reward_model"]["ground_truth"] for row in val]
+    reached = sum(text.endswith(truth) for text, truth in zip(responses, truths, strict=True))
+    right = sum(score(text, truth) for text, truth in zip(responses, truths, strict=True))
+    print(f"built in {built:.0f} s; right number {reached / 64:.0%}, scored {right / 64:.0%} at temperature 1")
+    assert reached / 64 >= 0.5
+    assert right / 64 <= 0.6 * reached / 64
 
 
 def test_generated_data_gets_the_umask_modes(tmp_path, umask):

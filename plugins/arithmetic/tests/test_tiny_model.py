@@ -98,15 +98,12 @@ def test_chat_format_pieces_are_the_full_conversation(tokenizer):
     assert pieces == tokenizer.encode(full, add_special_tokens=False)
 
 
-def test_conversation_ids_mark_only_what_the_model_writes(tokenizer, conversations):
-    ids, sampled = tiny_model.conversation_ids(ChatFormat(tokenizer), conversations[0], [SCHEMA])
+def test_conversation_ids_mark_only_what_the_model_writes(tokenizer):
+    conversation = demonstration("(12 + 5) * 3", "51")
+    ids, sampled = tiny_model.conversation_ids(ChatFormat(tokenizer), conversation, [SCHEMA])
     written = tokenizer.decode([i for i, s in zip(ids, sampled, strict=True) if s])
-    expression, answer = (
-        conversations[0][0]["content"].removeprefix("What is ").removesuffix("?"),
-        conversations[0][2]["content"],
-    )
-    call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
-    assert written == f"<tool_call>{call}</tool_call><|im_end|>Answer: {answer}<|im_end|>"
+    calls = [json.dumps({"name": "calculator", "arguments": {"expression": e}}) for e in ("12 + 5", "17 * 3")]
+    assert written == "".join(f"<tool_call>{call}</tool_call><|im_end|>" for call in calls) + "Answer: 51<|im_end|>"
 
 
 def test_saved_directory_is_an_ordinary_hf_model(tiny_model_dir, tokenizer):
