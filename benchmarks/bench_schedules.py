@@ -1,23 +1,30 @@
 """`sync`, `one_step_off` and `fully_async` on the same `skip run`, one after the other.
 
-Trains the embedded default once per schedule in one invocation (same config, data, seeds and
-built task), in a temporary directory, and prints per schedule: mean step time, mean
-`timing_s/gen` (the trainer's wait for rollouts), the ideal overlap measured from the sync run
-(mean over steps of max(gen, rest of the step): what a perfect one-step-off could reach),
-validation scores, the validation gain per minute of training, and the total training time.
+Trains the embedded default with each schedule in one invocation (same config, data, seeds
+and built task), `--rounds` times in a new random order each round, in a temporary directory,
+and prints per schedule (medians over the rounds): mean step time, mean
+`timing_s/gen` (the trainer's wait for rollouts), validation scores, the validation gain per
+minute of training, and the total training time. `sync` runs twice: with every CPU for each
+worker in turn (its default), and with each worker at the torch threads the overlapped
+schedules give it (its pool's CPUs, `--pool-threads`). The ideal overlap, the mean over steps
+of max(gen, rest of the step), is measured on both; the second (which also takes the rollout
+log-probs as old ones, as the overlapped schedules do) is what a perfect one-step-off can reach
+on the same split of the machine, and the overlapped schedules are compared to it.
 Wall time is the sum of the steps' `timing_s/step` (Ray and model start-up left out, the same
 for every schedule). One plot, validation score against training time for the three, goes to
 `--plot` (default: beside the runs in the temporary directory, kept with `--keep`).
 
-    python benchmarks/bench_schedules.py --steps 24
-    python benchmarks/bench_schedules.py --steps 24 --task-dir runs/embedded --plot schedules.png
+    python benchmarks/bench_schedules.py                  # 20 steps, 2 rounds: about 12 minutes
+    python benchmarks/bench_schedules.py --task-dir runs/embedded --plot schedules.png
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,22 +34,43 @@ from rich.console import Console
 from rich.table import Table
 
 CONFIGS = Path(__file__).parent.parent / "configs"
-SCHEDULES = ("sync", "one_step_off", "fully_async")
+POOLED = "sync, pool threads"
+# Final scores closer than this are the same score: about two standard errors of a mean over
+# 64 validation prompts near 0.9 (sqrt(0.9 * 0.1 / 64) = 0.04).
+SCORE_NOISE = 0.08
 
 
-def train(directory: Path, task_dir: Path, schedule: str, steps: int, extra: list[str]) -> list[dict]:
+def runs(pool_threads: int) -> dict[str, list[str]]:
+    """Each row's name and its schedule's overrides."""
+    return {
+        "sync": ["trainer.schedule=sync"],
+        # The same work as the overlapped schedules do, one after the other: their threads and
+        # their old log-probs (the rollout's, so no recomputation).
+        POOLED: [
+            "trainer.schedule=sync",
+            f"resources.torch_threads={pool_threads}",
+            "algorithm.rollout_correction.bypass_mode=true",
+        ],
+        "one_step_off": ["trainer.schedule=one_step_off"],
+        "fully_async": ["trainer.schedule=fully_async"],
+    }
+
+
+def train(directory: Path, task_dir: Path, name: str, schedule: list[str], steps: int, extra: list[str]) -> list[dict]:
     skip = Path(sys.executable).parent / "skip"
+    run_dir = directory / name.replace(", ", "-").replace(" ", "_")
+    shutil.rmtree(run_dir, ignore_errors=True)  # the previous round's
     overrides = [
         f"task.dir={task_dir}",
-        f"trainer.schedule={schedule}",
+        *schedule,
         f"trainer.total_training_steps={steps}",
-        f"trainer.default_local_dir={directory / schedule}",
+        f"trainer.default_local_dir={run_dir}",
         "trainer.resume_mode=disable",
         "trainer.save_freq=-1",
         *extra,
     ]
     subprocess.run([str(skip), "run", "--config-dir", str(CONFIGS), *overrides], check=True, capture_output=True)
-    return [json.loads(line) for line in (directory / schedule / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def summary(rows: list[dict]) -> dict[str, float]:
@@ -61,10 +89,18 @@ def summary(rows: list[dict]) -> dict[str, float]:
         "ideal": sum(max(r["timing_s/gen"], r["timing_s/step"] - r["timing_s/gen"]) for r in steps) / len(steps),
         "first_val": vals[0][1] if vals else float("nan"),
         "last_val": vals[-1][1] if vals else float("nan"),
+        "final": sum(v for _, v in vals[-2:]) / len(vals[-2:]) if vals else float("nan"),
         "gain_per_min": gain,
         "total": total,
         "curve": vals,
     }
+
+
+def median(rounds: list[dict]) -> dict:
+    """Each number's median over the rounds; the curve of the round with the median wall time."""
+    middle = sorted(rounds, key=lambda r: r["total"])[len(rounds) // 2]
+    numbers = {key: statistics.median(r[key] for r in rounds) for key, value in middle.items() if key != "curve"}
+    return {**numbers, "curve": middle["curve"]}
 
 
 def plot(results: dict[str, dict], path: Path) -> None:
@@ -86,17 +122,27 @@ def plot(results: dict[str, dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=2, help="runs per schedule, in a new random order each round")
     parser.add_argument("--task-dir", type=Path, default=None, help="a built embedded default to reuse")
     parser.add_argument("--plot", type=Path, default=None, help="where to write the score/time plot")
     parser.add_argument("--keep", action="store_true", help="keep the runs' directory and print it")
+    parser.add_argument("--pool-threads", type=int, default=1, help="torch threads per worker in the pools")
     parser.add_argument("overrides", nargs="*", help="extra `skip run` overrides for all three, e.g. rollout.n=8")
     args = parser.parse_args()
     directory = Path(tempfile.mkdtemp(prefix="bench-schedules-"))
     try:
         task_dir = (args.task_dir or directory / "embedded").absolute()
-        results = {s: summary(train(directory, task_dir, s, args.steps, args.overrides)) for s in SCHEDULES}
-        report(results, args.steps)
+        schedules = runs(args.pool_threads)
+        rounds: dict[str, list[dict]] = {name: [] for name in schedules}
+        for number in range(args.rounds):
+            order = random.sample(list(schedules), len(schedules))
+            print(f"round {number + 1}/{args.rounds}: {', '.join(order)}", flush=True)
+            for name in order:
+                rows = train(directory, task_dir, name, schedules[name], args.steps, args.overrides)
+                rounds[name].append(summary(rows))
+        results = {name: median(found) for name, found in rounds.items()}
+        report(results, args.steps, args.rounds)
         path = args.plot or directory / "schedules.png"
         plot(results, path)
         print(f"plot: {path}")
@@ -107,22 +153,43 @@ def main() -> None:
             shutil.rmtree(directory, ignore_errors=True)
 
 
-def report(results: dict[str, dict], steps: int) -> None:
-    ideal = results["sync"]["ideal"]
-    table = Table(title=f"skip run, {steps} steps per schedule (seconds; wall = sum of step times)")
-    for column in ("schedule", "mean step", "gen (wait)", "vs ideal overlap", "val first → last", "val/min", "wall"):
+def report(results: dict[str, dict], steps: int, rounds: int) -> None:
+    ideal = results[POOLED]["ideal"]
+    title = f"skip run, {steps} steps per schedule, median of {rounds} rounds (seconds; wall = sum of step times)"
+    table = Table(title=title)
+    columns = ("schedule", "mean step", "gen (wait)", "ideal overlap", "step / ideal", "val first → last")
+    for column in (*columns, "val gain/min", "wall"):
         table.add_column(column, justify="right")
-    for schedule, r in results.items():
+    for name, r in results.items():
         table.add_row(
-            schedule,
+            name,
             f"{r['step']:.2f}",
             f"{r['gen']:.2f}",
-            f"{r['step'] / ideal:.2f}x" if schedule != "sync" else f"ideal {ideal:.2f}",
+            f"{r['ideal']:.2f}" if name.startswith("sync") else "",
+            f"{r['step'] / ideal:.2f}x" if not name.startswith("sync") else "",
             f"{r['first_val']:.3f} → {r['last_val']:.3f}",
             f"{r['gain_per_min']:+.3f}",
             f"{r['total']:.1f}",
         )
-    Console().print(table)
+    Console(width=140).print(table)
+    print("targets")
+    for name, ok, text in targets(results):
+        print(f"  {name}: {text} -> {'met' if ok else 'MISSED'}")
+
+
+def targets(results: dict[str, dict]) -> list[tuple[str, bool, str]]:
+    ideal = results[POOLED]["ideal"]
+    one, full, sync = results["one_step_off"], results["fully_async"], results["sync"]
+    versus = f"{full['step']:.2f} s vs {one['step']:.2f} s per step"
+    found = [
+        ("one_step_off within 5% of the ideal overlap", one["step"] <= 1.05 * ideal, f"{one['step'] / ideal:.2f}x"),
+        ("fully_async faster than one_step_off", full["step"] < one["step"], versus),
+    ]
+    for name in ("one_step_off", "fully_async"):
+        final = results[name]["final"]
+        text = f"final score (mean of the last two validations) {final:.3f} vs sync {sync['final']:.3f}"
+        found.append((f"{name} keeps sync's score within {SCORE_NOISE}", final >= sync["final"] - SCORE_NOISE, text))
+    return found
 
 
 if __name__ == "__main__":

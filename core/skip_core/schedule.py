@@ -87,9 +87,10 @@ class Run(Protocol):
         engines pause, the requests running continue from their tokens so far with the new
         weights (partial rollout), and each sample records the weight versions it saw."""
 
-    def after_update(self, record: StepRecord) -> None:
-        """Validation of the weights just updated, when its frequency falls on ``record.step``
-        (it waits for a generation in flight and brings the engines up to date first)."""
+    def after_update(self, record: StepRecord, interrupt: bool = False) -> None:
+        """Validation of the weights just updated, when its frequency falls on ``record.step``.
+        The engines get those weights first: once the generations in flight finish, or, with
+        ``interrupt`` (a streaming schedule), at once, those generations continuing with them."""
 
 
 class Schedule(ABC):

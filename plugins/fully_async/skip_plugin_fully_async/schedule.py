@@ -80,7 +80,9 @@ class FullyAsync(Schedule):
                     if since_sync == self.settings.trigger_parameter_sync_step:
                         self._sync(run, rollouter, record)
                         since_sync = 0
-                    run.after_update(record)
+                    # Validation needs the latest weights on the engines: with partial rollout it
+                    # pauses them instead of waiting for every sample in flight.
+                    run.after_update(record, interrupt=self.settings.partial_rollout)
                     trained.update(index for index, _ in samples)
                     self._record(record, rollouter, batch, started, trained)
         finally:

@@ -78,6 +78,28 @@ def test_partial_rollout_continues_interrupted_samples_with_the_new_weights(ray_
     assert max(row["fully_async/partial/max_partial_span"] for row in rows) >= 1
 
 
+def test_validation_with_partial_rollout_pauses_the_samples_in_flight_instead_of_waiting(
+    ray_session, task_dir, tmp_path
+):
+    # No scheduled sync in 3 steps (trigger 4), a validation after each: only validation brings
+    # the engines up to date, and the samples it finds generating continue with the new weights.
+    train(
+        task_dir,
+        tmp_path,
+        "trainer.schedule=fully_async",
+        "trainer.resume_mode=disable",
+        "trainer.total_training_steps=3",
+        "trainer.test_freq=1",
+        "data.max_response_length=160",
+        "async_training.trigger_parameter_sync_step=4",
+        "async_training.staleness_threshold=1",
+    )
+    rows = [row for row in metrics(tmp_path / "run") if row["step"] > 0]
+    assert all("val/score/mean" in row and "timing_s/param_sync" not in row for row in rows)
+    assert sum(row["fully_async/partial/total_partial_num"] for row in rows) > 0
+    assert max(row["training/staleness_max"] for row in rows) >= 1
+
+
 def test_a_failing_rollout_fails_the_run_with_its_error(task_dir, tmp_path):
     args = overrides(task_dir, tmp_path, *FULLY_ASYNC, "trainer.total_training_steps=2", "rollout.timeout_s=0.0001")
     result = CliRunner().invoke(cli, ["run", "--config-dir", str(CONFIGS), *args])

@@ -279,10 +279,10 @@ class Trainer:
         self.rollout.update_weights(self.actor.state_dict.remote(), self._actor_version, interrupt)
         self._rollout_version = self._actor_version
 
-    def after_update(self, record: StepRecord) -> None:
+    def after_update(self, record: StepRecord, interrupt: bool = False) -> None:
         if self.val_set is not None and self._due(self.settings.trainer.test_freq, record.step):
             with record.timed("testing"):
-                self._catch_up()
+                self._catch_up(interrupt)
                 record.metrics.update(self.validate(record.step))
 
     # -- validation, checkpoints, metrics ------------------------------------------------
@@ -302,14 +302,15 @@ class Trainer:
             metrics[f"val/{source}/score/mean"] = float(parts["score"][sources == source].mean())
         return metrics
 
-    def _catch_up(self) -> None:
-        """Validation measures the policy just updated: let a background generation finish (it
-        keeps the weights it started with) and bring the engines up to date."""
-        while self._in_flight:  # a streaming schedule may start more until its staleness bound
+    def _catch_up(self, interrupt: bool) -> None:
+        """Validation measures the policy just updated: bring the engines up to date, after
+        the generations in flight finish (they keep the weights they started with) or, with
+        ``interrupt``, at once (they continue with the new weights, as at a partial-rollout sync)."""
+        while not interrupt and self._in_flight:  # a streaming schedule may start more until its bound
             for future in list(self._in_flight):
                 future.result()
         if self._rollout_version != self._actor_version:
-            self.sync_weights()
+            self.sync_weights(interrupt)
 
     def _due(self, every: int, step: int) -> bool:
         """Whether a ``*_freq`` event falls on ``step`` (the last step always counts)."""
