@@ -76,13 +76,8 @@ class FullyAsync(Schedule):
                         samples = rollouter.take(self.required)
                     batch = self._batch(samples)
                     run.train(batch, record)
-                    since_sync += 1
-                    if since_sync == self.settings.trigger_parameter_sync_step:
-                        self._sync(run, rollouter, record)
-                        since_sync = 0
-                    # Validation needs the latest weights on the engines: with partial rollout it
-                    # pauses them instead of waiting for every sample in flight.
-                    run.after_update(record, interrupt=self.settings.partial_rollout)
+                    since_sync = (since_sync + 1) % self.settings.trigger_parameter_sync_step
+                    self._sync_and_validate(run, rollouter, record, sync=since_sync == 0)
                     trained.update(index for index, _ in samples)
                     self._record(record, rollouter, batch, started, trained)
         finally:
@@ -92,15 +87,22 @@ class FullyAsync(Schedule):
         """The samples in feed order: the order ``sync`` would train them in."""
         return Batch.concat([sample for _, sample in sorted(samples, key=lambda pair: pair[0])])
 
-    def _sync(self, run: Run, rollouter: Rollouter, record: StepRecord) -> None:
-        with record.timed("param_sync"):
-            if self.settings.partial_rollout:
-                run.sync_weights(interrupt=True)
-            else:
-                rollouter.hold()
-                run.sync_weights()
-        rollouter.synced()
-        self._param_version = record.step
+    def _sync_and_validate(self, run: Run, rollouter: Rollouter, record: StepRecord, sync: bool) -> None:
+        """A due sync, then validation, then the sync's new feeding window: opened before
+        validation, its burst of samples would queue ahead of validation's on the engines.
+        Validation needs the latest weights there: with partial rollout it pauses the samples
+        in flight instead of waiting for them."""
+        if sync:
+            with record.timed("param_sync"):
+                if self.settings.partial_rollout:
+                    run.sync_weights(interrupt=True)
+                else:
+                    rollouter.hold()
+                    run.sync_weights()
+            self._param_version = record.step
+        run.after_update(record, interrupt=self.settings.partial_rollout)
+        if sync:
+            rollouter.synced()
 
     def _record(
         self, record: StepRecord, rollouter: Rollouter, batch: Batch, started: float, trained: set[int]
