@@ -120,7 +120,7 @@ def demonstration(expression: str, answer: str, graded: bool = True) -> list[dic
     holds the right number and scores 0.
     """
     conversation = prompt(expression)
-    for step, result in steps(expression, answer):
+    for step, result in calls(expression, answer):
         call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": step}}}
         conversation.append({"role": "assistant", "content": "", "tool_calls": [call]})
         conversation.append({"role": "tool", "name": "calculator", "content": result})
@@ -128,7 +128,7 @@ def demonstration(expression: str, answer: str, graded: bool = True) -> list[dic
     return [*conversation, {"role": "assistant", "content": final}]
 
 
-def steps(expression: str, answer: str) -> list[tuple[str, str]]:
+def calls(expression: str, answer: str) -> list[tuple[str, str]]:
     """The calculator calls a demonstration makes, one operation each, and their results:
     ``(a op b) op c`` takes two, the second starting from the first's result."""
     if not expression.startswith("("):
