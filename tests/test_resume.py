@@ -7,14 +7,14 @@ import subprocess
 import time
 
 import pytest
-from training import QUIET, command, fingerprints, metrics
+from training import QUIET, command, fingerprints, metrics, train
 
 
 @pytest.mark.parametrize(
     ("schedule", "role"),
     [("sync", "rollout"), ("one_step_off", "rollout"), ("fully_async", "async_rollout")],
 )
-def test_sigkill_resumes_at_the_next_step_with_the_same_data(task_dir, tmp_path, schedule, role):
+def test_sigkill_resumes_at_the_next_step_with_the_same_data(ray_session, task_dir, tmp_path, schedule, role):
     """A run killed after its step-2 checkpoint resumes at step 3 and sees the batches an
     uninterrupted run sees: the prompt fingerprints of every step's (or streamed sample's)
     cache entry match, and a resumed step whose prompts differ from its cached generation's
@@ -28,7 +28,7 @@ def test_sigkill_resumes_at_the_next_step_with_the_same_data(task_dir, tmp_path,
         f"skip.{role}.on_prompt_mismatch=error",
     )
     reference = tmp_path / "reference"
-    subprocess.run(command(task_dir, reference, *steps), check=True, capture_output=True, timeout=300)
+    train(task_dir, reference, *steps)  # uninterrupted, in this process: no Ray to start
 
     killed = tmp_path / "killed"
     process = subprocess.Popen(command(task_dir, killed, *steps), start_new_session=True, **QUIET)
