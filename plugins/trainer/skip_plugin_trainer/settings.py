@@ -44,8 +44,9 @@ class ActorPool(BaseModel):
 class Resources(BaseModel):
     """``resources``: the local Ray's CPUs (``num_cpus``, ignored when joining ``RAY_ADDRESS``)
     and each pool's share. ``torch_threads`` sets every worker's intra-op threads; by default
-    a worker of an overlapped schedule gets its own pool's CPUs (they run at the same time),
-    and one of ``sync`` every CPU of both pools (one of them runs at a time)."""
+    a worker of an overlapped schedule gets its own CPUs (every worker runs at the same time),
+    and one of ``sync`` its share of both pools' CPUs among the workers that run beside it (the
+    rollout workers together, then the actor alone)."""
 
     model_config = ConfigDict(extra="forbid")
     num_cpus: PositiveInt | None = None
@@ -53,9 +54,10 @@ class Resources(BaseModel):
     rollout: RolloutPool = RolloutPool()
     actor: ActorPool = ActorPool()
 
-    def threads(self, cpus: float, overlapped: bool) -> int:
+    def threads(self, cpus: float, overlapped: bool, together: int = 1) -> int:
+        """Threads of a worker with ``cpus`` of its own, one of ``together`` that run at once."""
         both = self.rollout.workers * self.rollout.cpus_per_worker + self.actor.cpus
-        return self.torch_threads or max(1, int(cpus if overlapped else both))
+        return self.torch_threads or max(1, int(cpus if overlapped else both / together))
 
 
 class TaskConfig(BaseModel):

@@ -136,7 +136,7 @@ class Trainer:
         rollout, actor = self.pools
         config = resolved or to_container(self.config)
         overlapped = self.schedule.overlapped
-        threads = s.resources.threads(rollout.cpus, overlapped)
+        threads = s.resources.threads(rollout.cpus, overlapped, together=s.resources.rollout.workers)
         # Many concurrent calls per worker: streamed samples each wait in one; the engine batches them.
         workers = rollout.spawn(RolloutWorker, s, config, threads, Pool.RANK, concurrency=STREAMED_PER_WORKER)
         self.rollout = RolloutGroup(workers)
