@@ -15,9 +15,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
-from skip_core.config import lookup
+from skip_core.config import ConfigError, lookup
 
 
 @dataclass(frozen=True)
@@ -111,3 +112,19 @@ def create_backend(name: str, config: Any) -> RolloutBackend:
 
 def backend_factory(name: str, installed: Mapping[str, Callable]) -> Callable:
     return lookup("rollout.backend", "backend", name, installed)
+
+
+def check_backend(name: str, config: Any, installed: Mapping[str, Callable]) -> None:
+    """Fail in the driver, before any worker starts, on what would fail in every worker: an
+    unknown backend, and (for a factory with ``check``) bad options or a missing device."""
+    check = getattr(backend_factory(name, installed), "check", None)
+    if check is not None:
+        check(config)
+
+
+def local_model_dir(path: Any) -> Path:
+    """A local Hugging Face model directory; hub names are refused so nothing is downloaded."""
+    directory = Path(path or "").expanduser()
+    if path is None or not (directory / "config.json").is_file():
+        raise ConfigError(f"model.path: {path!r} is not a local Hugging Face model directory (no config.json)")
+    return directory

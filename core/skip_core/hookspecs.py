@@ -43,7 +43,8 @@ def skip_register_backends(register):
     """Register rollout backends: call ``register(name, factory)``.
 
     ``factory(config) -> skip_core.backend.RolloutBackend`` builds an engine from the
-    ``rollout`` config section; ``rollout.backend=<name>`` selects it.
+    ``rollout`` config section; ``rollout.backend=<name>`` selects it. A factory with a
+    ``check(config)`` method gets it called in the driver first (``check_backend``).
     """
 
 

@@ -6,16 +6,23 @@ Select it with ``rollout.backend=hf``; settings live under ``rollout.hf`` (see t
 from skip_core import hookimpl
 
 
-@hookimpl
-def skip_register_backends(register):
-    register("hf", create_backend)
+class HFFactory:
+    """``check`` runs in the driver before any worker starts; the call builds an engine in a worker."""
 
-
-def create_backend(config):
-    """Build the backend from the ``rollout`` config section."""
     # torch and transformers take seconds to import: only when this backend is chosen, not when
     # `skip plugins` lists what is installed.
-    from skip_plugin_hf.engine import HFBackend
-    from skip_plugin_hf.options import parse_options
+    def check(self, config):
+        from skip_plugin_hf.options import parse_options
 
-    return HFBackend(parse_options(config))
+        parse_options(config, with_model=False)
+
+    def __call__(self, config):
+        from skip_plugin_hf.engine import HFBackend
+        from skip_plugin_hf.options import parse_options
+
+        return HFBackend(parse_options(config))
+
+
+@hookimpl
+def skip_register_backends(register):
+    register("hf", HFFactory())

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from skip_core.backend import local_model_dir
 from skip_core.config import ConfigError, is_hydra_marker, select, to_container
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -18,14 +19,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class HFOptions:
     """Where and how the model runs; ``device`` and ``dtype`` are resolved (no ``auto``)."""
 
-    model_dir: Path
+    model_dir: Path | None
     device: torch.device
     dtype: torch.dtype
     max_batch_size: int = 64
 
 
-def parse_options(config: Any) -> HFOptions:
-    """Read ``rollout.model_path`` and ``rollout.hf.*``, failing with the key that is wrong."""
+def parse_options(config: Any, with_model: bool = True) -> HFOptions:
+    """Read ``rollout.model_path`` and ``rollout.hf.*``, failing with the key that is wrong.
+
+    ``with_model=False`` is the driver's check, made before the task has built the model.
+    """
     raw = to_container(select(config, "hf")) or {}
     if not isinstance(raw, Mapping):
         raise ConfigError(f"rollout.hf: expected a mapping of settings, got {raw!r}")
@@ -35,21 +39,11 @@ def parse_options(config: Any) -> HFOptions:
             raise ConfigError(f"rollout.hf.{key}: unknown key (allowed: {', '.join(allowed)})")
     device = _device(raw.get("device", "auto"))
     return HFOptions(
-        model_dir=model_dir(select(config, "model_path")),
+        model_dir=local_model_dir(select(config, "model_path")) if with_model else None,
         device=device,
         dtype=_dtype(raw.get("dtype"), device),
         max_batch_size=_positive(raw.get("max_batch_size", 64), "rollout.hf.max_batch_size"),
     )
-
-
-def model_dir(path: Any) -> Path:
-    """A local Hugging Face model directory; hub names are refused so nothing is downloaded."""
-    if path is None:
-        raise ConfigError("model.path: required by the hf backend (a local Hugging Face model directory)")
-    directory = Path(path).expanduser()
-    if not (directory / "config.json").is_file():
-        raise ConfigError(f"model.path: {str(path)!r} is not a local Hugging Face model directory (no config.json)")
-    return directory
 
 
 def _device(name: Any) -> torch.device:

@@ -236,7 +236,7 @@ class RunSettings(RolloutSettings):
 
 
 def _rollout_fields(config: Any) -> dict[str, Any]:
-    from skip_core.backend import backend_factory
+    from skip_core.backend import check_backend
     from skip_core.plugins import registry
 
     task = parse_section(TaskConfig, "task", select(config, "task"))
@@ -250,8 +250,8 @@ def _rollout_fields(config: Any) -> dict[str, Any]:
         {**section, "prompt_length": data.max_prompt_length, "response_length": data.max_response_length},
     )
     backend = str(section.get("backend", "hf"))
-    backend_factory(backend, registry().backends)  # an unknown backend fails now, naming what is installed
     model = parse_section(ModelConfig, "model", select(config, "model"))
+    check_backend(backend, {**section, "model_path": model.path}, registry().backends)
     return {
         "task": task,
         "model": model,

