@@ -1,13 +1,11 @@
 """The rollout backend interface: an async, per-request generation engine.
 
-Backends register through ``skip_register_backends`` and are chosen with
-``rollout.backend=<name>``. The agent loop sends one request per conversation turn and many
-turns concurrently; a backend batches the requests that are waiting itself.
+Backends register through ``skip_register_backends``; ``rollout.backend=<name>`` picks one.
+The agent loop sends one request per turn, many at once; a backend batches them itself.
 
 Cancelling the task awaiting ``generate`` aborts that request: the agent loop relies on it
-to enforce timeouts without leaving work running in the engine. ``pause``/``resume`` let an
-asynchronous schedule swap weights under requests in flight (partial rollout); a backend that
-cannot do it says so when they are called.
+to enforce timeouts. ``pause``/``resume`` let an asynchronous schedule swap weights under
+requests in flight (partial rollout); a backend that cannot says so when they are called.
 """
 
 from __future__ import annotations
@@ -39,13 +37,8 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self) -> None:
-        checks = {
-            "temperature": self.temperature >= 0,
-            "top_p": 0 < self.top_p <= 1,
-            "top_k": self.top_k == -1 or self.top_k > 0,
-            "max_new_tokens": self.max_new_tokens > 0,
-            "n": self.n > 0,
-        }
+        checks = {"temperature": self.temperature >= 0, "top_p": 0 < self.top_p <= 1, "n": self.n > 0}
+        checks.update({"top_k": self.top_k == -1 or self.top_k > 0, "max_new_tokens": self.max_new_tokens > 0})
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"SamplingParams.{name}: invalid value {getattr(self, name)!r}")
@@ -115,8 +108,7 @@ def backend_factory(name: str, installed: Mapping[str, Callable]) -> Callable:
 
 
 def check_backend(name: str, config: Any, installed: Mapping[str, Callable]) -> None:
-    """Fail in the driver, before any worker starts, on what would fail in every worker: an
-    unknown backend, and (for a factory with ``check``) bad options or a missing device."""
+    """Fail before any worker starts on an unknown backend, bad options or a missing device."""
     check = getattr(backend_factory(name, installed), "check", None)
     if check is not None:
         check(config)
@@ -124,7 +116,6 @@ def check_backend(name: str, config: Any, installed: Mapping[str, Callable]) -> 
 
 def local_model_dir(path: Any) -> Path:
     """A local Hugging Face model directory; hub names are refused so nothing is downloaded."""
-    directory = Path(path or "").expanduser()
-    if path is None or not (directory / "config.json").is_file():
+    if path is None or not (Path(path).expanduser() / "config.json").is_file():
         raise ConfigError(f"model.path: {path!r} is not a local Hugging Face model directory (no config.json)")
-    return directory
+    return Path(path).expanduser()

@@ -448,7 +448,7 @@ def test_bad_hf_settings_name_the_key(tiny_hf_model_dir, hf, message):
 
 
 def test_a_model_path_that_is_not_a_model_directory_names_model_path(tmp_path):
-    with pytest.raises(ConfigError, match=r"^model\.path: required"):
+    with pytest.raises(ConfigError, match=r"^model\.path: None is not a local Hugging Face model directory"):
         create_backend("hf", {})
     with pytest.raises(ConfigError, match=r"^model\.path: .* \(no config\.json\)"):
         create_backend("hf", {"model_path": str(tmp_path)})
