@@ -51,10 +51,9 @@ FinishReason = Literal["length", "stop", "abort"]
 class Generation:
     """One completion: the sampled token ids, the log-prob of each, and why it ended.
 
-    ``log_probs[i]`` is the log-probability of ``token_ids[i]`` under the model's
-    distribution at the sampling temperature, before top-k/top-p filtering (what the
-    trainer recomputes as old log-probs). A completion that stopped on a stop token ends
-    with that token; one that stopped on a stop string ends with the token completing it.
+    ``log_probs[i]``: of ``token_ids[i]`` at the sampling temperature, before top-k/top-p (what
+    the trainer recomputes). A completion ends with its stop token, or the token completing
+    its stop string.
     """
 
     token_ids: list[int]

@@ -22,6 +22,8 @@ SHIPPED = {
     ("role", "async_rollout"): "plugins/async_rollout",
     ("role", "ref_log_prob"): "plugins/ref_log_prob",
     ("backend", "hf"): "plugins/hf",
+    ("backend", "vllm"): "plugins/vllm",
+    ("backend", "sglang"): "plugins/sglang",
     ("schedule", "sync"): "plugins/trainer",
     ("schedule", "one_step_off"): "plugins/one_step_off",
     ("schedule", "fully_async"): "plugins/fully_async",
