@@ -94,6 +94,8 @@ class VLLMBackend(RolloutBackend):
         self._closed = True
         await self.pause()  # requests in flight end with "abort" instead of waiting forever
         await asyncio.to_thread(self.engine.shutdown)
+        # Drop the engine now: AsyncLLM.__del__ shuts down again, which fails at interpreter exit.
+        self.engine = None
         self._loop.call_soon_threadsafe(self._loop.stop)
 
     async def _final_output(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str) -> Any:
