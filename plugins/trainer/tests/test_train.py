@@ -151,7 +151,7 @@ def cli_run(*args):
         ("data.shuffle=maybe", "data.shuffle: expected true or false, got 'maybe'"),
         ("task.warmup_steps=-1", "task.warmup_steps: expected an integer >= 0, got -1"),
         ("task.name=chess", "task.name: unknown task 'chess' (installed: arithmetic)"),
-        ("rollout.backend=vllm", "rollout.backend: unknown backend 'vllm' (installed: hf)"),
+        ("rollout.backend=tgi", "rollout.backend: unknown backend 'tgi' (installed: hf, "),
         ("rollout.top_p=2", "rollout.top_p"),
     ],
 )
