@@ -136,8 +136,9 @@ def main() -> None:
         model_dir = build_model(Path(tmp) / "embedded")
         bench = Bench(model_dir, max(args.requests), args.max_new_tokens)
         print(f"{'variant':<24} {'requests':>8} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'vs engine':>9}")
+        messages, ids = bench.messages, bench.ids
         for count in args.requests:
-            bench.messages, bench.ids = bench.messages[:count], bench.ids[:count]
+            bench.messages, bench.ids = messages[:count], ids[:count]
             variants = {
                 "vllm, engine itself": bench.engine_itself,
                 "vllm, skip agent loop": lambda: bench.agent_loop("vllm"),

@@ -14,6 +14,7 @@ import inspect
 import itertools
 import logging
 import os
+import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -23,6 +24,7 @@ from skip_core.backend import FinishReason, Generation, RolloutBackend, Sampling
 from skip_plugin_vllm.options import VLLMOptions
 
 log = logging.getLogger(__name__)
+SHARED_MEMORY = "/dev/shm" if os.path.isdir("/dev/shm") else None
 FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
@@ -60,12 +62,16 @@ class VLLMBackend(RolloutBackend):
         return [_generation(out, request_id) for out in sorted(final.outputs, key=lambda out: out.index)]
 
     async def update_weights(self, state_dict: Mapping[str, Any]) -> None:
-        from safetensors.torch import save
+        from safetensors.torch import save_file
 
         if self._closed:
             raise RuntimeError("vllm backend: update_weights after shutdown()")
-        blob = save(_untied(state_dict))
-        await self._on_engine_loop(self.engine.collective_rpc("skip_load_weights", args=(blob,)))
+        # The weights go through a file in shared memory, read memory-mapped by the workers:
+        # collective_rpc would turn tensors into lists, and pushes bytes through its queues slowly.
+        with tempfile.TemporaryDirectory(prefix="skip-vllm-weights-", dir=SHARED_MEMORY) as directory:
+            path = os.path.join(directory, "model.safetensors")
+            await asyncio.to_thread(save_file, _untied(state_dict), path)
+            await self._on_engine_loop(self.engine.collective_rpc("skip_load_weights", args=(path,)))
         # Cached prefixes hold keys and values computed with the old weights.
         await self._on_engine_loop(self.engine.reset_prefix_cache())
 

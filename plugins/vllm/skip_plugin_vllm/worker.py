@@ -7,22 +7,22 @@ class WeightLoader:
     """Loads the trainer's weights in place.
 
     ``collective_rpc`` ships its arguments with msgpack, which turns a dict of tensors into nested
-    lists: the weights come as one safetensors blob instead. ``reload_weights`` (not
-    ``model.load_weights``) re-runs the post-load processing, which the CPU kernels need because they
-    repack weights after loading; it also fuses QKV and gate/up as a checkpoint load does.
+    lists: the weights come as a safetensors file in shared memory, read memory-mapped.
+    ``reload_weights`` (not ``model.load_weights``) re-runs the post-load processing, which the CPU
+    kernels need because they repack weights after loading; it also fuses QKV and gate/up as a
+    checkpoint load does.
     """
 
-    def skip_load_weights(self, blob: bytes) -> int:
-        from safetensors.torch import load
+    def skip_load_weights(self, path: str) -> int:
+        from safetensors.torch import load_file
 
-        tensors = load(blob)
+        tensors = load_file(path)
         model = self.model_runner.get_model()
         embedding = _tied_embedding(model)
         self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
         if embedding is not None:
             _retie(model.lm_head, embedding)
         return len(tensors)
-
 
 
 def _retie(head, embedding) -> None:
@@ -41,4 +41,3 @@ def _tied_embedding(model):
     if weight is None:
         return None
     return next((m for m in model.modules() if m is not head and getattr(m, "weight", None) is weight), None)
-
