@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,8 @@ class HFOptions:
 def parse_options(config: Any, with_model: bool = True) -> HFOptions:
     """Read ``rollout.model_path`` and ``rollout.hf.*``, failing with the key that is wrong.
 
-    ``with_model=False`` is the driver's check, made before the task has built the model.
+    ``with_model=False`` is the driver's check, made before the task has built the model; on a
+    Ray cluster (``RAY_ADDRESS``) the driver's machine is not the workers', so it leaves the device alone.
     """
     raw = to_container(select(config, "hf")) or {}
     if not isinstance(raw, Mapping):
@@ -37,7 +39,7 @@ def parse_options(config: Any, with_model: bool = True) -> HFOptions:
     for key in raw:
         if key not in allowed and not is_hydra_marker(key):
             raise ConfigError(f"rollout.hf.{key}: unknown key (allowed: {', '.join(allowed)})")
-    device = _device(raw.get("device", "auto"))
+    device = _device(raw.get("device", "auto"), here=with_model or "RAY_ADDRESS" not in os.environ)
     return HFOptions(
         model_dir=local_model_dir(select(config, "model_path")) if with_model else None,
         device=device,
@@ -46,10 +48,10 @@ def parse_options(config: Any, with_model: bool = True) -> HFOptions:
     )
 
 
-def _device(name: Any) -> torch.device:
+def _device(name: Any, here: bool) -> torch.device:
     if name not in DEVICES:
         raise ConfigError(f"rollout.hf.device: expected one of {', '.join(DEVICES)}, got {name!r}")
-    if name == "cuda" and not torch.cuda.is_available():
+    if name == "cuda" and here and not torch.cuda.is_available():
         raise ConfigError("rollout.hf.device: 'cuda' requested but torch finds no CUDA device")
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"

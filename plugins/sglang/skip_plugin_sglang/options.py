@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -40,8 +41,11 @@ class SGLangOptions(BaseModel):
 def parse_options(config: Any, with_model: bool = True) -> SGLangOptions:
     """Read ``rollout.engine_kwargs.sglang`` (and ``rollout.model_path``); refuse a machine without
     CUDA or without SGLang in one line. ``with_model=False`` is the driver's check, made before the
-    task has built the model."""
+    task has built the model; on a Ray cluster (``RAY_ADDRESS``) the driver's machine is not the
+    workers', so only the worker checks for CUDA and SGLang."""
     options = parse_section(SGLangOptions, KEY, select(config, "engine_kwargs.sglang"))
+    if not with_model and "RAY_ADDRESS" in os.environ:
+        return options
     _require_cuda()
     if importlib.util.find_spec("sglang") is None:
         raise ConfigError("rollout.backend: 'sglang' needs SGLang: pip install 'skip-plugin-sglang[gpu]'")

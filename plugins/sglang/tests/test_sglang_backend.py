@@ -82,3 +82,11 @@ def test_pause_returns_partial_output(engines):
 
     partial = run(interrupted())
     assert partial.finish_reason == "abort" and len(partial.log_probs) == len(partial.token_ids) < 2000
+
+
+def test_on_a_ray_cluster_the_driver_leaves_the_device_check_to_the_workers(tmp_path, monkeypatch):
+    """The driver of a cluster run may sit on a machine without a GPU while the workers have one."""
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
+    check_backend("sglang", section(tmp_path), registry().backends)
+    with pytest.raises(ConfigError, match=r"engine_kwargs\.sglang\.tp_size"):
+        check_backend("sglang", section(tmp_path, tp_size=0), registry().backends)
