@@ -173,6 +173,9 @@ def test_unknown_backend_lists_installed_and_says_how_to_install_one_this_reposi
     hint = r"unknown backend 'hf' \(installed: mine\); install skip-plugin-hf from a clone"
     with pytest.raises(ConfigError, match=hint):
         backend_factory("hf", {"mine": object})
-    with pytest.raises(ConfigError, match=r"unknown backend 'vllm' \(installed: hf\)$"):
+    vllm = r"unknown backend 'vllm' \(installed: hf\); install skip-plugin-vllm from a clone .* ./plugins/vllm$"
+    with pytest.raises(ConfigError, match=vllm):
         backend_factory("vllm", {"hf": object})
+    with pytest.raises(ConfigError, match=r"unknown backend 'tgi' \(installed: hf\)$"):  # not one we ship
+        backend_factory("tgi", {"hf": object})
     assert backend_factory("hf", {"hf": object}) is object
