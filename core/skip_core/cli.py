@@ -57,13 +57,8 @@ def plugins() -> None:
     table = _table("distribution", "version", "plugin", "provides", "hooks")
     for name, dist, version, provided in installed():
         offered = [f"{kind[:-1].replace('_', ' ')} {item}" for kind, items in provided.items() for item in items]
-        table.add_row(
-            dist,
-            version,
-            name,
-            ", ".join(offered) or "-",
-            ", ".join(sorted(caller.name for caller in pm.get_hookcallers(pm.get_plugin(name)) or ())),
-        )
+        hooks = sorted(caller.name for caller in pm.get_hookcallers(pm.get_plugin(name)) or ())
+        table.add_row(dist, version, name, ", ".join(offered) or "-", ", ".join(hooks))
     console.print(table)
 
 
@@ -88,19 +83,12 @@ def _entry_table(directory: Path, deep: bool) -> tuple[Table, int]:
         bad += problem is not None
         meta = meta or {}
         size = sum(f.get("bytes", 0) for f in (meta.get("files") or {}).values()) / 1e6
-        if problem:
-            status = Text(f"corrupt: {problem}", style="red")
-        else:
-            status = Text("ok" + ("" if deep else " (sizes)"), style="green")
+        ok = Text("ok" + ("" if deep else " (sizes)"), style="green")
+        status = Text(f"corrupt: {problem}", style="red") if problem else ok
         # Text cells: names and reasons come from files on disk and must never be read as markup.
-        table.add_row(
-            Text(str(meta.get("role", "?"))),
-            Text(path.name),
-            Text(str(meta.get("samples", "?"))),
-            f"{size:.1f}",
-            status,
-            Text(str(path.relative_to(directory)) if path != directory else "."),
-        )
+        where = str(path.relative_to(directory)) if path != directory else "."
+        cells = (meta.get("role", "?"), path.name, meta.get("samples", "?"), f"{size:.1f}")
+        table.add_row(*(Text(str(cell)) for cell in cells), status, Text(where))
     return table, bad
 
 
@@ -136,7 +124,9 @@ def cache_verify(directory: Path) -> None:
 )
 def cache_prune(directory: Path, dry_run: bool, min_age: float) -> None:
     """Remove corrupt entries and leftovers of interrupted dumps under DIRECTORY."""
+    # A directory holding files skip did not write (a verl dump) is the user's, corrupt or not.
     doomed = [(p, f"corrupt: {why}") for p, _, why in _entries(directory, deep=True) if why]
+    doomed = [(p, why) for p, why in doomed if not cache_store.foreign_files(p)]
     now = time.time()
     for path in cache_store.leftovers(directory):
         if now - path.stat().st_mtime >= min_age:

@@ -35,7 +35,7 @@ def write(batch: Any, directory: Path) -> list[str]:
     """Write ``batch`` into ``directory``; return the file names written."""
     from safetensors.torch import save_file
 
-    save_file(storable(batch.batch), str(directory / TENSORS))
+    save_file(storable(tensors_of(batch)), str(directory / TENSORS))
     payload = {
         "non_tensor_batch": {k: encode(v, f"non_tensor_batch[{k!r}]") for k, v in batch.non_tensor_batch.items()},
         "meta_info": encode(dict(batch.meta_info), "meta_info"),
@@ -54,6 +54,14 @@ def read(directory: Path) -> Any:
     payload = json.loads((directory / DATA).read_text(encoding="utf-8"))
     non_tensors = {k: decode(v) for k, v in payload["non_tensor_batch"].items()}
     return Batch(tensors, non_tensors, decode(payload["meta_info"]))
+
+
+def tensors_of(batch: Any) -> Mapping[str, Any]:
+    """``batch.batch`` as a dict: skip's own, or verl's TensorDict (``None`` when it has no tensors).
+
+    A TensorDict iterates over its rows, not its keys: read it through ``items()``.
+    """
+    return {} if batch.batch is None else dict(batch.batch.items())
 
 
 def storable(tensors: Mapping[str, Any]) -> dict[str, Any]:
@@ -152,23 +160,26 @@ def _hashable(key: Any) -> Any:
 
 
 def fingerprint(batch: Any) -> str | None:
-    """A content hash of the inputs a result was generated from, or ``None`` for non-batches.
+    """A content hash of the inputs a result was generated from; ``None`` for non-batches and
+    inputs that cannot be stored as data.
 
     Covers every tensor (name, dtype, shape, bytes) and every non-tensor except identity
     keys; ``meta_info`` is excluded, as it carries bookkeeping such as the step.
     """
-    tensors = getattr(batch, "batch", None)
     others = getattr(batch, "non_tensor_batch", None)
-    if not isinstance(tensors, Mapping) or not isinstance(others, Mapping):
+    if not hasattr(batch, "batch") or not isinstance(others, Mapping):
         return None
     import torch
 
+    tensors = tensors_of(batch)
     digest = xxhash.xxh3_128()
     for key in sorted(tensors):
         tensor = tensors[key].detach().cpu().contiguous()
         digest.update(f"{key}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
-    for key in sorted(others):
-        if key not in IDENTITY_KEYS:
+    try:
+        for key in sorted(k for k in others if k not in IDENTITY_KEYS):
             digest.update(json.dumps([key, encode(others[key], key)], sort_keys=True).encode())
+    except EncodingError:  # e.g. images: such inputs go unchecked rather than fail the step
+        return None
     return digest.hexdigest()

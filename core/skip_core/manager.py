@@ -227,6 +227,11 @@ class SkipManager:
         return decorate
 
     @classmethod
+    def stores(cls) -> dict[str, CacheStore]:
+        """The cache store of each enabled role, by role name."""
+        return {name: slot.store for name, slot in _slots.items() if slot.enabled}
+
+    @classmethod
     def flush(cls) -> None:
         """Return once every dump started so far is durable on disk."""
         _dumps.flush()

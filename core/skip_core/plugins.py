@@ -45,11 +45,9 @@ def load_plugins() -> pluggy.PluginManager:
     _distributions["skip_core.caching"] = ("skip-core", version("skip-core"))
     # Historic: a plugin registered later still gets to add its hook specs.
     pm.hook.skip_add_hookspecs.call_historic(kwargs={"add": _add_hookspecs})
-    allowed = os.environ.get("SKIP_PLUGINS")
-    wanted = None if allowed is None else {_normalize(d) for d in allowed.split(",") if d}
     for ep in entry_points(group="skip"):
         dist = ep.dist.name if ep.dist else ep.name
-        if (wanted is not None and _normalize(dist) not in wanted) or pm.has_plugin(ep.name):
+        if not allowed(dist) or pm.has_plugin(ep.name):
             continue
         try:
             pm.register(ep.load(), name=ep.name)
@@ -58,6 +56,12 @@ def load_plugins() -> pluggy.PluginManager:
             continue
         _distributions[ep.name] = (dist, ep.dist.version if ep.dist else "?")
     return pm
+
+
+def allowed(distribution: str) -> bool:
+    """Whether ``SKIP_PLUGINS`` lets this installed distribution load (unset: every one does)."""
+    wanted = os.environ.get("SKIP_PLUGINS")
+    return wanted is None or _normalize(distribution) in {_normalize(d) for d in wanted.split(",") if d}
 
 
 def _add_hookspecs(module: Any) -> None:

@@ -1,13 +1,7 @@
-"""skip-plugin-verl: skip and verl side by side; today ``skip cache import-verl`` converts verl's
-pickled rollout dumps into verified skip entries (reading a pickle only with ``--trust-pickle``)."""
+"""skip-plugin-verl: skip inside verl's own trainer, and ``skip cache import-verl``.
 
-from __future__ import annotations
-
-from skip_core import hookimpl
-
-
-@hookimpl
-def skip_register_commands(cli):
-    from skip_plugin_verl import commands
-
-    commands.register(cli)
+Installed beside verl, it serves verl's ``verl.utils.skip.SkipManager`` with skip's roles and
+verified store (``bridge``), armed at interpreter start-up by ``skip_plugin_verl.pth``
+(``startup``); its skip hooks are in ``plugin``. This module stays empty: the start-up hook
+imports the package in every Python process of the environment.
+"""

@@ -1,0 +1,158 @@
+"""verl's own ``SkipManager`` served by skip, patched in place when ``verl.utils.skip`` is imported.
+
+verl's trainers call ``SkipManager.init(config)``, ``set_step(step)`` and decorate with
+``@SkipManager.annotate(role=...)`` (``RayPPOTrainer.fit``, ``AgentLoopManager.generate_sequences``,
+the fully-async ``Rollouter`` and its ``generate_sequences_single``). ``install`` replaces those
+three class methods, on the class every verl module imports, by skip's: the roles are the
+installed skip roles, ``skip.<role>`` is validated by skip, and results go to skip's verified
+store. A replayed result comes back as a verl ``DataProto`` (``plugin.skip_warp``).
+
+What stays verl's: ``annotate_tq`` and the roles only verl has (``rollout_tq``, for the V1
+trainer's TransferQueue), served by verl's own code with a warning; and the whole manager on a
+verl version not in ``TESTED``, or with ``SKIP_PLUGINS`` leaving this distribution out.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Iterator, Mapping
+from types import ModuleType
+from typing import Any
+
+DISTRIBUTION = "skip-plugin-verl"
+TESTED = ("0.9.1",)
+VERL_DUMP = "gen_batch.dp"
+
+
+class VerlBridgeWarning(UserWarning):
+    """The bridge is off for this verl, or a verl feature it does not cover is in use."""
+
+
+def install(module: ModuleType) -> bool:
+    """Serve ``module.SkipManager`` with skip; ``False`` where verl keeps its own."""
+    from skip_core.plugins import allowed
+
+    if not allowed(DISTRIBUTION):
+        return False
+    found = getattr(sys.modules.get("verl"), "__version__", None)
+    if found not in TESTED:
+        warnings.warn(
+            f"{DISTRIBUTION}: verl {found} is not a version this bridge was tested with ({', '.join(TESTED)}); "
+            "verl's own SkipManager stays in use",
+            VerlBridgeWarning,
+            stacklevel=2,
+        )
+        return False
+    manager = module.SkipManager
+    manager.init = classmethod(_init)
+    manager.set_step = classmethod(_set_step)
+    manager.annotate = classmethod(_annotate)
+    manager.served_by = DISTRIBUTION
+    return True
+
+
+def _init(cls: type, config: Any) -> None:
+    from skip_core import SkipManager
+    from skip_core.config import select, to_container
+    from skip_core.plugins import registry
+
+    section = to_container(select(config, "skip"))
+    verl_only = _verl_only(section, registry().roles)
+    ours = {k: v for k, v in section.items() if k not in verl_only} if verl_only else None
+    SkipManager.init(config if ours is None else _WithSkip(config, ours))
+    SkipManager.set_step(-1)
+    cls.step = -1
+    cls.skip_instances = _verl_instances(verl_only, config)
+    _point_at_verl_dumps()
+
+
+def _set_step(cls: type, step: int) -> None:
+    from skip_core import SkipManager
+
+    SkipManager.set_step(step)
+    cls.step = step
+
+
+def _annotate(cls: type, role: str, **kwargs: Any):
+    from skip_core import SkipManager
+
+    return SkipManager.annotate(role, **kwargs)
+
+
+def _verl_only(section: Any, roles: Mapping[str, Any]) -> dict[str, Any]:
+    """Sections of roles verl registers and no installed skip plugin provides (``rollout_tq``)."""
+    from verl.utils.skip.base_skip import SKIP_REGISTRY
+
+    if not isinstance(section, Mapping):
+        return {}  # skip's init reports it, naming the key
+    return {name: raw for name, raw in section.items() if name in SKIP_REGISTRY and name not in roles}
+
+
+def _verl_instances(sections: Mapping[str, Any], config: Any) -> dict[str, Any]:
+    """verl's own instances of its enabled roles that skip does not provide, as verl's init makes them."""
+    if not sections:
+        return {}
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.utils.skip.base_skip import SKIP_REGISTRY
+    from verl.utils.skip.config import SkipManagerConfig
+
+    parsed = omega_conf_to_dataclass(dict(sections), dataclass_type=SkipManagerConfig)
+    instances = {}
+    for name in sections:
+        local = getattr(parsed, name, None)
+        if local is not None and local.enable:
+            warnings.warn(
+                f"skip.{name}: {DISTRIBUTION} does not cover this verl role; verl's own code serves it "
+                "(pickled dumps, loaded unverified)",
+                VerlBridgeWarning,
+                stacklevel=3,
+            )
+            instances[name] = SKIP_REGISTRY[name](local, config)
+    return instances
+
+
+def _point_at_verl_dumps() -> None:
+    """Say once, at init, that verl's own dumps in a role's directory are never read nor replaced."""
+    from skip_core import SkipManager
+
+    for role, store in SkipManager.stores().items():
+        found = list(store.directory.glob(f"*/{VERL_DUMP}"))
+        if found:
+            warnings.warn(
+                f"skip.{role}: {len(found)} step(s) in {store.directory} are verl dumps ({VERL_DUMP}, pickles): "
+                "skip never loads them and leaves them in place; convert them once into another dump_dir with "
+                f"`skip cache import-verl {store.root} NEW_DUMP_DIR --trust-pickle`",
+                VerlBridgeWarning,
+                stacklevel=3,
+            )
+
+
+class _WithSkip(Mapping):
+    """A run config whose ``skip`` section is replaced; every other key reads the original node."""
+
+    def __init__(self, config: Any, section: Mapping[str, Any]) -> None:
+        self._config, self._section = config, section
+
+    def __getitem__(self, key: str) -> Any:
+        return self._section if key == "skip" else self._config[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._config)
+
+    def __len__(self) -> int:
+        return len(self._config)
+
+
+def dataproto_class(prompts: Any) -> type | None:
+    """verl's ``DataProto`` if ``prompts`` is one (verl imported), else ``None``."""
+    protocol = sys.modules.get("verl.protocol")
+    cls = getattr(protocol, "DataProto", None)
+    return cls if cls is not None and isinstance(prompts, cls) else None
+
+
+def to_dataproto(batch: Any, cls: type) -> Any:
+    """A loaded skip ``Batch`` as verl's ``DataProto`` (tensors in a TensorDict, ``None`` if there are none)."""
+    tensors, non_tensors = dict(batch.batch), dict(batch.non_tensor_batch)
+    return cls.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=dict(batch.meta_info))
+

@@ -1,0 +1,24 @@
+"""The skip hooks of skip-plugin-verl: the ``import-verl`` command, and replayed results as verl's type."""
+
+from __future__ import annotations
+
+from skip_core import hookimpl
+from skip_core.caching import CACHE_ACTIONS
+
+from skip_plugin_verl.bridge import dataproto_class, to_dataproto
+
+
+@hookimpl
+def skip_register_commands(cli):
+    from skip_plugin_verl import commands
+
+    commands.register(cli)
+
+
+@hookimpl(tryfirst=True)
+def skip_warp(config, store, hit, call):
+    """A call of verl's (its prompts are a ``DataProto``) gets a ``DataProto`` back, as its body returns."""
+    cls = dataproto_class(call.prompts)
+    if cls is None or config.action not in CACHE_ACTIONS:
+        return None
+    return to_dataproto(store.load(hit.source), cls)
