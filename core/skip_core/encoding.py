@@ -56,11 +56,8 @@ def read(directory: Path) -> Any:
     return Batch(tensors, non_tensors, decode(payload["meta_info"]))
 
 
-def tensors_of(batch: Any) -> Mapping[str, Any]:
-    """``batch.batch`` as a dict: skip's own, or verl's TensorDict (``None`` when it has no tensors).
-
-    A TensorDict iterates over its rows, not its keys: read it through ``items()``.
-    """
+def tensors_of(batch: Any) -> dict[str, Any]:
+    """``batch.batch`` as a dict: skip's, or verl's TensorDict (``None`` without tensors; iterating one yields rows)."""
     return {} if batch.batch is None else dict(batch.batch.items())
 
 

@@ -189,7 +189,6 @@ class SkipManager:
             slot.deactivate()
         for name, (role, role_config, store) in active.items():
             _slot(name).activate(role, role_config, store)
-        _retire_legacy_rollout_skip(config, active)
 
     @classmethod
     def set_step(cls, step: int) -> None:
@@ -318,22 +317,3 @@ def _writable_store(name: str, config: RoleConfig, namespace: Namespace) -> Cach
         raise ConfigError(f"skip.{name}.dump_dir: cannot write to {store.directory}: {exc}") from None
     return store
 
-
-def _retire_legacy_rollout_skip(config: Any, active: Mapping[str, Any]) -> None:
-    """verl's older ``actor_rollout_ref.rollout.skip`` must not run alongside ``skip.rollout``."""
-    legacy = select(config, "actor_rollout_ref.rollout.skip")
-    if "rollout" not in active or legacy is None or not select(legacy, "enable"):
-        return
-    warnings.warn(
-        "actor_rollout_ref.rollout.skip.enable is deprecated and ignored because skip.rollout.enable is true; "
-        "it has been set to False",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    from omegaconf import DictConfig, open_dict, read_write
-
-    if isinstance(legacy, DictConfig):
-        with read_write(legacy), open_dict(legacy):
-            legacy.enable = False
-    else:
-        legacy["enable"] = False

@@ -227,7 +227,8 @@ class CacheStore:
             write_synced(tmp / META, json.dumps(meta, indent=1).encode())
             fsync_dir(tmp)
             final = self.path(step)
-            _refuse_foreign(final)
+            if foreign := foreign_files(final):  # replacing deletes: never what skip did not write
+                raise FileExistsError(f"{final} holds files skip did not write ({', '.join(foreign)}); left as it is")
             publish(tmp, final)
             fsync_dir(self.directory)
         except BaseException:
@@ -249,16 +250,10 @@ class CacheStore:
 
 def foreign_files(path: Path) -> list[str]:
     """Files of a step directory that skip does not write (a verl dump's ``gen_batch.dp``)."""
-    try:
+    try:  # another writer may be replacing it right now
         return sorted(set(os.listdir(path)) - DATA_FILES - {META})
     except (FileNotFoundError, NotADirectoryError):
         return []
-
-
-def _refuse_foreign(path: Path) -> None:
-    """Replacing a step directory deletes it: never one that holds what skip did not write."""
-    if foreign := foreign_files(path):
-        raise FileExistsError(f"{path} holds files skip did not write ({', '.join(foreign[:3])}); left as it is")
 
 
 def verify(path: Path, role: str | None = None, namespace: Namespace | None = None, deep: bool = True) -> dict:

@@ -79,6 +79,21 @@ def test_prune_removes_corrupt_entries_and_old_leftovers_only(cache, tmp_path):
     assert invoke("cache", "verify", tmp_path).exit_code == 0
 
 
+def test_prune_keeps_a_directory_holding_files_skip_did_not_write(cache, tmp_path):
+    verl_dump = cache.path(4)
+    verl_dump.mkdir()
+    (verl_dump / "gen_batch.dp").write_bytes(b"verl's rollout")
+    (verl_dump / "meta.json").write_text('{"global_steps": 4}')
+    corrupt_one_byte(cache.path(3) / "data.json")
+
+    assert "corrupt: unsupported format None" in invoke("cache", "ls", tmp_path).output
+    result = invoke("cache", "prune", tmp_path)
+
+    assert "1 directory removed" in result.output
+    assert sorted(p.name for p in cache.directory.iterdir()) == ["1", "2", "4"]
+    assert (verl_dump / "gen_batch.dp").read_bytes() == b"verl's rollout"
+
+
 def test_a_command_of_an_uninstalled_plugin_says_which_distribution_brings_it():
     env = {**os.environ, "SKIP_PLUGINS": ""}
     code = "from skip_core.cli import cli; cli()"

@@ -79,6 +79,23 @@ def test_fingerprint_tracks_content_not_identity_or_meta():
     assert fingerprint({"not": "a batch"}) is None
 
 
+def test_inputs_that_cannot_be_stored_have_no_fingerprint_and_still_replay(tmp_path):
+    """Images in verl's ``multi_modal_data`` are such inputs: the call must not fail over the check."""
+    from skip_core import SkipManager
+    from skiptests import Generator, run_config
+
+    unstorable = prompts()
+    unstorable.non_tensor_batch["image"] = np.array([object()] * 3, dtype=object)
+    assert fingerprint(unstorable) is None
+
+    generator = Generator()
+    SkipManager.init(run_config(tmp_path, steps=[1]))
+    SkipManager.set_step(1)
+    first = generator.generate_sequences(unstorable)
+    again = generator.generate_sequences(unstorable)
+    assert generator.calls == 1 and again.equals(first)
+
+
 def test_fingerprint_covers_dtype_and_shape():
     a = Batch.from_dict({"x": torch.zeros(2, 4, dtype=torch.int32)})
     b = Batch.from_dict({"x": torch.zeros(2, 2, dtype=torch.int64)})

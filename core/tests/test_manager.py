@@ -4,7 +4,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import warnings
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -324,29 +323,6 @@ def test_flush_waits_for_background_dumps(tmp_path, generator):
     assert steps_on_disk(tmp_path) == list(range(1, 9))
 
 
-def test_legacy_rollout_skip_is_disabled_with_a_deprecation_warning(tmp_path):
-    config = run_config(tmp_path)
-    config["actor_rollout_ref"]["rollout"]["skip"] = {"enable": True}
-    omega = OmegaConf.create(config)
-    OmegaConf.set_readonly(omega, True)
-    with pytest.warns(DeprecationWarning, match="actor_rollout_ref.rollout.skip.enable"):
-        SkipManager.init(omega)
-    assert omega.actor_rollout_ref.rollout.skip.enable is False
-
-    with pytest.warns(DeprecationWarning):
-        SkipManager.init(config)
-    assert config["actor_rollout_ref"]["rollout"]["skip"]["enable"] is False
-
-
-def test_legacy_flag_alone_is_left_alone(tmp_path):
-    config = run_config(tmp_path, enable=False)
-    config["actor_rollout_ref"]["rollout"]["skip"] = {"enable": True}
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        SkipManager.init(config)
-    assert config["actor_rollout_ref"]["rollout"]["skip"]["enable"] is True
-
-
 def test_set_step_rejects_non_integers():
     with pytest.raises(TypeError, match="expected an int"):
         SkipManager.set_step("3")
@@ -432,3 +408,12 @@ def test_a_step_scope_binds_its_context_while_the_clock_moves_on(tmp_path, gener
 def test_step_scope_rejects_non_integers():
     with pytest.raises(TypeError, match="expected an int"), SkipManager.step_scope("2"):
         pass
+
+
+def test_stores_gives_the_store_of_each_enabled_role(tmp_path):
+    SkipManager.init(run_config(tmp_path))
+    stores = SkipManager.stores()
+    assert list(stores) == ["rollout"] and stores["rollout"].directory.is_relative_to(tmp_path)
+
+    SkipManager.init(run_config(tmp_path, enable=False))
+    assert SkipManager.stores() == {}

@@ -135,8 +135,9 @@ def test_two_plugins_registering_one_role_is_an_error(tmp_path):
 
 
 def heavy_modules(statement: str, prefixes: tuple[str, ...]) -> list[str]:
-    listing = f"sorted(m for m in sys.modules if m.startswith({prefixes!r}))"
-    code = f"import json, sys\n{statement}\nprint(json.dumps({listing}))"
+    # Modules loaded at start-up (a ``.pth`` hook such as skip-plugin-verl's) are not the statement's.
+    listing = f"sorted(m for m in set(sys.modules) - before if m.startswith({prefixes!r}))"
+    code = f"import json, sys\nbefore = set(sys.modules)\n{statement}\nprint(json.dumps({listing}))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(done.stdout)
 

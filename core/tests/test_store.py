@@ -54,6 +54,20 @@ def test_save_replaces_an_existing_entry(store):
     assert [p.name for p in store.directory.iterdir()] == ["1"]
 
 
+def test_a_directory_holding_files_skip_did_not_write_is_never_replaced(store):
+    """verl writes its dumps where skip writes role ``rollout``: replacing one would delete it."""
+    verl_dump = store.path(1)
+    verl_dump.mkdir(parents=True)
+    (verl_dump / "gen_batch.dp").write_bytes(b"verl's rollout")
+    (verl_dump / "meta.json").write_text('{"global_steps": 1}')
+
+    with pytest.raises(FileExistsError, match=r"holds files skip did not write \(gen_batch.dp\); left as it is"):
+        store.save(1, make_batch())
+
+    assert (verl_dump / "gen_batch.dp").read_bytes() == b"verl's rollout"
+    assert sorted(p.name for p in store.directory.iterdir()) == ["1"]
+
+
 @pytest.mark.parametrize(
     ("damage", "reason"),
     [

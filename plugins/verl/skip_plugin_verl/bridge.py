@@ -64,6 +64,7 @@ def _init(cls: type, config: Any) -> None:
     SkipManager.set_step(-1)
     cls.step = -1
     cls.skip_instances = _verl_instances(verl_only, config)
+    _retire_legacy_rollout_skip(config)
     _point_at_verl_dumps()
 
 
@@ -110,6 +111,29 @@ def _verl_instances(sections: Mapping[str, Any], config: Any) -> dict[str, Any]:
             )
             instances[name] = SKIP_REGISTRY[name](local, config)
     return instances
+
+
+def _retire_legacy_rollout_skip(config: Any) -> None:
+    """verl's older ``actor_rollout_ref.rollout.skip`` must not run alongside ``skip.rollout``: it is turned off."""
+    from skip_core import SkipManager
+    from skip_core.config import select
+
+    legacy = select(config, "actor_rollout_ref.rollout.skip")
+    if "rollout" not in SkipManager.stores() or legacy is None or not select(legacy, "enable"):
+        return
+    warnings.warn(
+        "actor_rollout_ref.rollout.skip.enable is deprecated and ignored because skip.rollout.enable is true; "
+        "it has been set to False",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    from omegaconf import DictConfig, open_dict, read_write
+
+    if isinstance(legacy, DictConfig):
+        with read_write(legacy), open_dict(legacy):
+            legacy.enable = False
+    else:
+        legacy["enable"] = False
 
 
 def _point_at_verl_dumps() -> None:

@@ -16,10 +16,12 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import skip_core
+from omegaconf import OmegaConf
 from safetensors import safe_open
 from skip_core.config import ConfigError
 from skip_core.store import CacheWarning, verify
@@ -262,6 +264,28 @@ def test_transfer_queue_role_stays_verls_with_a_warning(tmp_path):
 
     assert isinstance(SkipManager.skip_instances["rollout_tq"], RolloutTqSkip)
     assert skip_core.SkipManager.stores() == {}
+
+
+def test_the_legacy_rollout_skip_flag_is_turned_off_with_a_deprecation_warning(tmp_path):
+    config = run_config(tmp_path)
+    config.actor_rollout_ref.rollout.skip = {"enable": True}
+    OmegaConf.set_readonly(config, True)
+
+    with pytest.warns(DeprecationWarning, match="actor_rollout_ref.rollout.skip.enable is deprecated"):
+        SkipManager.init(config)
+
+    assert config.actor_rollout_ref.rollout.skip.enable is False
+
+
+def test_the_legacy_flag_alone_is_left_alone(tmp_path):
+    config = run_config(tmp_path, enable=False)
+    config.actor_rollout_ref.rollout.skip = {"enable": True}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        SkipManager.init(config)
+
+    assert config.actor_rollout_ref.rollout.skip.enable is True
 
 
 def run_script(*args: str, env: dict | None = None) -> dict:
