@@ -263,6 +263,8 @@ def verify(path: Path, role: str | None = None, namespace: Namespace | None = No
     """
     meta = _read_meta(path / META)
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        if other := foreign_files(path):
+            raise CorruptEntry(f"not a skip entry: holds {', '.join(other)}")
         raise CorruptEntry(f"unsupported format {meta.get('format')!r} version {meta.get('version')!r}")
     if str(meta.get("step")) != path.name:
         raise CorruptEntry(f"meta.json records step {meta.get('step')!r} in directory {path.name!r}")

@@ -86,7 +86,7 @@ def test_prune_keeps_a_directory_holding_files_skip_did_not_write(cache, tmp_pat
     (verl_dump / "meta.json").write_text('{"global_steps": 4}')
     corrupt_one_byte(cache.path(3) / "data.json")
 
-    assert "corrupt: unsupported format None" in invoke("cache", "ls", tmp_path).output
+    assert "corrupt: not a skip entry: holds gen_batch.dp" in invoke("cache", "ls", tmp_path).output
     result = invoke("cache", "prune", tmp_path)
 
     assert "1 directory removed" in result.output
