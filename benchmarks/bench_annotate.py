@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import os
 import random
 import shutil
 import statistics
@@ -79,6 +80,8 @@ class Managers:
 
 
 def _import_verl() -> Any:
+    # verl's own manager is the baseline: where skip-plugin-verl is installed it would serve it.
+    os.environ["SKIP_PLUGINS"] = "skip-plugin-rollout"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
