@@ -316,4 +316,3 @@ def _writable_store(name: str, config: RoleConfig, namespace: Namespace) -> Cach
     except OSError as exc:
         raise ConfigError(f"skip.{name}.dump_dir: cannot write to {store.directory}: {exc}") from None
     return store
-

@@ -179,4 +179,3 @@ def to_dataproto(batch: Any, cls: type) -> Any:
     """A loaded skip ``Batch`` as verl's ``DataProto`` (tensors in a TensorDict, ``None`` if there are none)."""
     tensors, non_tensors = dict(batch.batch), dict(batch.non_tensor_batch)
     return cls.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=dict(batch.meta_info))
-

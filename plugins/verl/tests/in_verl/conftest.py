@@ -61,11 +61,12 @@ class ScriptedWorker:
     def remote(self, batch: DataProto) -> _Ref:
         self.batches.append(batch)
         ids = batch.batch["input_ids"]
+        # what verl's AgentLoopManager reads from each worker's output for its timing metrics
+        timing = {"generate_sequences": 0.5, "tool_calls": 0.5, "compute_score": 0.5, "num_preempted": 0}
         out = DataProto.from_dict(
             tensors={"prompts": ids, "responses": ids * 10 + 1, "response_mask": torch.ones_like(ids)},
             non_tensors={"__num_turns__": np.full(len(batch), 2, dtype=np.int32)},
-            meta_info={"metrics": [dict.fromkeys(("generate_sequences", "tool_calls", "compute_score"), 0.5)
-                                   | {"num_preempted": 0}] * len(batch)},
+            meta_info={"metrics": [timing] * len(batch)},
         )
         return _Ref(out)
 
