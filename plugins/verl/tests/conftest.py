@@ -1,8 +1,9 @@
 """The venv the bridge's own tests run in (``in_verl/``, started by ``test_inside_verl.py``):
 verl 0.9.1 with its dependencies on the CPU torch wheel.
 
-pip takes over a minute there, so the build starts in the background as soon as the session
-has collected the test that needs it, and overlaps the rest of the suite. ``$SKIP_VERL_VENV``
+pip takes over a minute there, so the build starts in the background, at the lowest CPU
+priority, as soon as the session has collected the test that needs it, and overlaps the rest
+of the suite. ``$SKIP_VERL_VENV``
 names a venv to keep between sessions instead (built on first use).
 """
 
@@ -23,7 +24,7 @@ collect_ignore = ["in_verl"]
 VERL = "verl==0.9.1"
 # verl's agent loop imports these without declaring them; its rollout servers bring them in practice.
 UNDECLARED = ("cachetools", "fastapi", "uvicorn")
-PIP = ("-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-compile")
+PIP = ("-m", "pip", "install", "--quiet", "--disable-pip-version-check")
 _VENV = pytest.StashKey["VerlVenv"]()
 
 
@@ -47,7 +48,9 @@ class VerlVenv:
         script = " && ".join(shlex.join(map(str, step)) for step in steps)
         self.home.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "wb") as log:
-            self._build = subprocess.Popen(["sh", "-c", script], stdout=log, stderr=subprocess.STDOUT)
+            # At the lowest priority: the tests running meanwhile keep the CPUs (some of them time things).
+            command = ["nice", "-n", "19", "sh", "-c", script]
+            self._build = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
 
     def ready(self, timeout: float = 900) -> Path:
         """The venv's interpreter once built; a failed build fails with pip's output."""

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 IN_VERL = Path(__file__).resolve().parent / "in_verl"
 DISTRIBUTIONS = ("core", "plugins/rollout", "plugins/async_rollout", "plugins/verl")
 TEMPLATE_ROLE = "judge"
-PIP = ("-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-compile", "--no-build-isolation")
+PIP = ("-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-build-isolation")
 
 
 @pytest.fixture(scope="module")
