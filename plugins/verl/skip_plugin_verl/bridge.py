@@ -137,16 +137,22 @@ def _retire_legacy_rollout_skip(config: Any) -> None:
 
 
 def _point_at_verl_dumps() -> None:
-    """Say once, at init, that verl's own dumps in a role's directory are never read nor replaced."""
+    """Say once, at init, where verl's own dumps of a role are: skip never reads nor replaces them."""
     from skip_core import SkipManager
+    from skip_core.store import safe_name
+    from verl.utils.skip.base_skip import SKIP_REGISTRY
 
     for role, store in SkipManager.stores().items():
-        found = list(store.directory.glob(f"*/{VERL_DUMP}"))
+        if role not in SKIP_REGISTRY:
+            continue
+        run = store.namespace.experiment_name + "_" + store.namespace.project_name
+        verl_dir = store.root / safe_name(run) / store.namespace.shape  # verl's layout, for every role
+        found = list(verl_dir.glob(f"*/{VERL_DUMP}"))
         if found:
             warnings.warn(
-                f"skip.{role}: {len(found)} step(s) in {store.directory} are verl dumps ({VERL_DUMP}, pickles): "
-                "skip never loads them and leaves them in place; convert them once into another dump_dir with "
-                f"`skip cache import-verl {store.root} NEW_DUMP_DIR --trust-pickle`",
+                f"skip.{role}: {len(found)} verl dump(s) in {verl_dir} ({VERL_DUMP}, pickles) are never loaded "
+                "and left in place; convert them once into another dump_dir with "
+                f"`skip cache import-verl {store.root} NEW_DUMP_DIR --trust-pickle --role {role}`",
                 VerlBridgeWarning,
                 stacklevel=3,
             )

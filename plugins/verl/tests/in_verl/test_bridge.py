@@ -197,8 +197,18 @@ def test_a_planted_pickle_is_never_executed_nor_deleted(tmp_path, rollout_manage
     assert len(worker.batches) == 1
     assert (planted / "gen_batch.dp").read_bytes() == pickle_bytes
     said = " | ".join(str(w.message) for w in caught)
-    assert "verl dumps (gen_batch.dp, pickles)" in said and "skip cache import-verl" in said
+    assert "1 verl dump(s) in" in said and "import-verl" in said and "--role rollout" in said
     assert "holds files skip did not write (gen_batch.dp)" in said
+
+
+def test_verl_async_rollout_dumps_are_pointed_at_with_the_role_to_import_them_as(tmp_path):
+    dumps = tmp_path / "dumps"
+    plant_verl_dump(entry(dumps, 7), tmp_path / "pwned")  # verl writes async_rollout dumps in this layout too
+
+    with pytest.warns(UserWarning, match=r"skip\.async_rollout: 1 verl dump\(s\) in .* --role async_rollout"):
+        SkipManager.init(run_config(dumps, role="async_rollout"))
+
+    assert not (tmp_path / "pwned").exists()
 
 
 def test_a_traversal_in_experiment_name_stays_inside_dump_dir(tmp_path, rollout_manager):
