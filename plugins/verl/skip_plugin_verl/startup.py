@@ -36,6 +36,8 @@ class _Bridging:
         self._loader = loader
 
     def __getattr__(self, name: str):  # get_source, is_package, resource readers: verl's
+        if name == "_loader":  # not set yet (a copy): no recursion
+            raise AttributeError(name)
         return getattr(self._loader, name)
 
     def create_module(self, spec):
