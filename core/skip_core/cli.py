@@ -125,8 +125,8 @@ def cache_verify(directory: Path) -> None:
 def cache_prune(directory: Path, dry_run: bool, min_age: float) -> None:
     """Remove corrupt entries and leftovers of interrupted dumps under DIRECTORY."""
     # A directory holding files skip did not write (a verl dump) is the user's, corrupt or not.
-    doomed = [(p, f"corrupt: {why}") for p, _, why in _entries(directory, deep=True) if why]
-    doomed = [(p, why) for p, why in doomed if not cache_store.foreign_files(p)]
+    entries = _entries(directory, deep=True)
+    doomed = [(p, f"corrupt: {why}") for p, _, why in entries if why and not cache_store.foreign_files(p)]
     now = time.time()
     for path in cache_store.leftovers(directory):
         if now - path.stat().st_mtime >= min_age:
