@@ -15,6 +15,7 @@ from skip_plugin_trainer.train.metrics import (
     Tracking,
     data_metrics,
     plot,
+    plot_figure,
     summary_table,
     throughput_metrics,
     timing_metrics,
@@ -287,3 +288,94 @@ def test_plot_writes_a_png(tmp_path, with_val):
     data = path.read_bytes()
     assert data.startswith(PNG_SIGNATURE) and len(data) > len(PNG_SIGNATURE)
     assert [p.name for p in path.parent.iterdir()] == ["run.png"]
+
+
+def _val_lines(history):
+    score_ax = plot_figure(history).axes[0]
+    return {line.get_label(): (line.get_xdata().tolist(), line.get_ydata().tolist()) for line in score_ax.lines}
+
+
+def test_plot_draws_the_only_data_source_once():
+    history = [
+        {"step": 0, "val/score/mean": 0.2, "val/arithmetic/score/mean": 0.2},
+        {"step": 1, "critic/score/mean": 0.3, "timing_s/step": 1.0},
+        {"step": 2, "critic/score/mean": 0.5, "val/score/mean": 0.4, "val/arithmetic/score/mean": 0.4},
+    ]
+    assert _val_lines(history) == {
+        "train": ([1, 2], [0.3, 0.5]),
+        "val/score/mean = val/arithmetic/score/mean": ([0, 2], [0.2, 0.4]),
+    }
+
+
+def test_plot_draws_each_data_source_of_several_and_folds_only_equal_ones():
+    history = [
+        {"step": 0, "val/score/mean": 0.3, "val/a/score/mean": 0.2, "val/b/score/mean": 0.4, "val/c/score/mean": 0.3},
+        {"step": 2, "val/score/mean": 0.5, "val/a/score/mean": 0.4, "val/b/score/mean": 0.6, "val/c/score/mean": 0.5},
+    ]
+    assert _val_lines(history) == {
+        "train": ([], []),
+        "val/score/mean = val/c/score/mean": ([0, 2], [0.3, 0.5]),
+        "val/a/score/mean": ([0, 2], [0.2, 0.4]),
+        "val/b/score/mean": ([0, 2], [0.4, 0.6]),
+    }
+
+
+def _step(step, **seconds):
+    """A logged step whose ``step`` time is its phases' sum plus 0.25 s outside them (``generate_async`` excluded)."""
+    total = sum(v for k, v in seconds.items() if k != "generate_async") + 0.25
+    return {"step": step, **{f"timing_s/{k}": v for k, v in {**seconds, "step": total}.items()}}
+
+
+TRAIN = {"reward": 0.2, "old_log_prob": 0.5, "ref": 0.4, "adv": 0.01, "update_actor": 1.5}
+
+
+@pytest.mark.parametrize(
+    ("history", "bars", "background"),
+    [
+        (  # sync: validation and a checkpoint on step 2 only
+            [
+                _step(1, gen=3.0, **TRAIN, update_weights=0.3),
+                _step(2, gen=3.0, **TRAIN, update_weights=0.3, testing=4.0, save_checkpoint=1.0),
+            ],
+            "gen reward old_log_prob ref adv update_actor update_weights validation save_checkpoint other",
+            {},
+        ),
+        (  # one_step_off: generate_async overlaps the step
+            [
+                _step(1, gen=3.0, generate_async=3.0, sync_rollout_weights=0.3, **TRAIN),
+                _step(2, gen=0.5, generate_async=3.5, sync_rollout_weights=0.3, **TRAIN, testing=2.0),
+            ],
+            "gen sync_rollout_weights reward old_log_prob ref adv update_actor validation other",
+            {"generate_async (background, not stacked)": [3.0, 3.5]},
+        ),
+        (  # fully_async, and a phase the plot does not know yet: a bar of its own, not "other"
+            [_step(1, gen=0.2, **TRAIN, param_sync=0.4, testing=2.0, prefetch=0.7)],
+            "gen reward old_log_prob ref adv update_actor param_sync validation prefetch other",
+            {},
+        ),
+    ],
+    ids=["sync", "one_step_off", "fully_async"],
+)
+def test_plot_stacks_every_timed_phase_up_to_the_step_time(history, bars, background):
+    time_ax = plot_figure(history).axes[1]
+    assert [c.get_label() for c in time_ax.containers] == bars.split()
+    tops = [max(p.get_y() + p.get_height() for p in patches) for patches in zip(*time_ax.containers, strict=True)]
+    assert tops == pytest.approx([r["timing_s/step"] for r in history])
+    assert [p.get_height() for p in time_ax.containers[-1]] == pytest.approx([0.25] * len(history))
+    assert {line.get_label(): line.get_ydata().tolist() for line in time_ax.lines} == background
+
+
+@pytest.mark.parametrize("steps", [1, 40])
+def test_plot_legends_lie_outside_the_axes_and_inside_the_figure(steps):
+    history = [
+        {**_step(s, gen=3.0, **TRAIN, update_weights=0.3, testing=2.0), "critic/score/mean": 0.1 * s}
+        | {"val/score/mean": 0.1, "val/a/score/mean": 0.0, "val/b/score/mean": 0.2}
+        for s in range(1, steps + 1)
+    ]
+    fig = plot_figure(history)
+    fig.canvas.draw()
+    for ax in fig.axes:
+        legend = ax.get_legend().get_window_extent()
+        assert not legend.overlaps(ax.get_window_extent())
+        assert fig.bbox.x0 <= legend.x0 and legend.x1 <= fig.bbox.x1
+        assert fig.bbox.y0 <= legend.y0 and legend.y1 <= fig.bbox.y1

@@ -13,7 +13,7 @@ import re
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import rich.console
@@ -22,8 +22,30 @@ import torch
 from skip_core.batch import Batch
 from skip_core.files import write_atomic
 
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
-PHASES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor")
+#: The driver's timed phases (``StepRecord.timed``) in the order a step runs them, the sync schedule's and the
+#: overlapped schedules' own weight syncs, so each keeps its place and colour from run to run.
+_PHASES = (
+    "gen",
+    "sync_rollout_weights",
+    "reward",
+    "old_log_prob",
+    "ref",
+    "adv",
+    "update_actor",
+    "update_weights",
+    "param_sync",
+    "testing",
+    "save_checkpoint",
+)
+#: ``testing`` times the validation rollouts and their scoring; "other" would hide the largest phase of a due step.
+_PHASE_LABELS = {"testing": "validation"}
+#: one_step_off's generation of a batch on the rollout pool, while the previous step trained: not part of the step.
+_BACKGROUND = "generate_async"
 _PER_TOKEN_PHASES = ("reward", "old_log_prob", "ref", "adv", "update_actor")
 _VAL_MEAN = re.compile(r"^val(-core)?/.*(score|reward)/mean(@\d+)?$")
 
@@ -294,40 +316,88 @@ def summary_table(history: Sequence[Mapping[str, Any]], title: str = "skip run")
 
 
 def plot(history: Sequence[Mapping[str, Any]], path: Path) -> Path:
-    """Score and stacked phase times per step in one PNG, so a cached (collapsed) gen phase stands out."""
+    """``plot_figure`` as a PNG at ``path``, written atomically so a crash never leaves half an image."""
+    buffer = io.BytesIO()
+    plot_figure(history).savefig(buffer, format="png")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, buffer.getvalue())
+    return path
+
+
+def plot_figure(history: Sequence[Mapping[str, Any]]) -> Figure:
+    """Score and stacked phase times per step, so a cached (collapsed) gen phase stands out; returned rather than
+    saved so its lines and bars can be read back. Legends sit right of the axes, where they cannot cover data."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(8, 6), tight_layout=True)
+    fig = Figure(figsize=(10, 6), layout="constrained")
     FigureCanvasAgg(fig)
     score_ax, time_ax = fig.subplots(2, 1, sharex=True)
     scored = [r for r in history if "critic/score/mean" in r]
     score_ax.plot([r["step"] for r in scored], [r["critic/score/mean"] for r in scored], marker="o", label="train")
-    for key in sorted({k for r in history for k in r if _VAL_MEAN.match(k)}):
-        points = [r for r in history if key in r]
-        score_ax.scatter([r["step"] for r in points], [r[key] for r in points], marker="s", label=key)
+    for label, steps, values in _val_series(history):
+        score_ax.plot(steps, values, marker="s", linestyle="--", label=label)
     score_ax.set_ylabel("score mean")
-    timed = [r for r in history if any(f"timing_s/{p}" in r for p in (*PHASES, "step"))]
-    steps = [r["step"] for r in timed]
-    bottom = np.zeros(len(timed))
-    for phase in PHASES:
-        heights = np.array([r.get(f"timing_s/{phase}", 0.0) for r in timed])
-        if heights.any():
-            time_ax.bar(steps, heights, bottom=bottom, label=phase)
-            bottom += heights
-    other = np.array([max(r.get("timing_s/step", 0.0) - b, 0.0) for r, b in zip(timed, bottom, strict=True)])
-    if other.any():
-        time_ax.bar(steps, other, bottom=bottom, label="other", color="lightgray")
+    _phase_bars(time_ax, history)
     time_ax.set_xlabel("step")
     time_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     time_ax.set_ylabel("step time (s)")
     for ax in (score_ax, time_ax):
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize="small")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    write_atomic(path, buffer.getvalue())
-    return path
+            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    return fig
+
+
+def _val_series(history: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[int], list[float]]]:
+    """Validation score means as (label, steps, values), overall means first. A series equal to one already kept
+    joins its label instead of drawing a second line on top of it: with one data source, its mean is the overall
+    mean (``val/score/mean = val/arithmetic/score/mean``)."""
+    keys = sorted({k for r in history for k in r if _VAL_MEAN.match(k)}, key=lambda k: (k.count("/"), k))
+    series: list[tuple[str, list[int], list[float]]] = []
+    for key in keys:
+        steps, values = [r["step"] for r in history if key in r], [r[key] for r in history if key in r]
+        for i, (label, kept_steps, kept_values) in enumerate(series):
+            if kept_steps == steps and np.allclose(kept_values, values, equal_nan=True):
+                series[i] = (f"{label} = {key}", kept_steps, kept_values)
+                break
+        else:
+            series.append((key, steps, values))
+    return series
+
+
+def _phase_bars(ax: Axes, history: Sequence[Mapping[str, Any]]) -> None:
+    """Every phase the driver timed, stacked in the order it runs, then "other" up to the step's wall time (the
+    prompts' loading, metrics: the step outside every phase). A phase missing from ``_PHASES`` (a new schedule's)
+    gets a bar of its own after them rather than vanishing into "other"."""
+    from matplotlib import colormaps
+
+    timed = [r for r in history if any(k.startswith("timing_s/") for k in r)]
+    names = {k.removeprefix("timing_s/") for r in timed for k in r if k.startswith("timing_s/")}
+    phases = [p for p in _PHASES if p in names] + sorted(names - {*_PHASES, "step", _BACKGROUND})
+    # tab20's strong hues, then its light ones, without its grays: gray is "other".
+    tab20 = colormaps["tab20"].colors
+    palette = [tab20[i] for i in (*range(0, 20, 2), *range(1, 20, 2)) if i not in (14, 15)]
+    steps = [r["step"] for r in timed]
+    bottom = np.zeros(len(timed))
+    for phase in phases:
+        heights = np.array([r.get(f"timing_s/{phase}", 0.0) for r in timed])
+        color = palette[(*_PHASES, *phases).index(phase) % len(palette)]
+        ax.bar(steps, heights, bottom=bottom, label=_PHASE_LABELS.get(phase, phase), color=color)
+        bottom += heights
+    other = np.array([max(r.get("timing_s/step", 0.0) - b, 0.0) for r, b in zip(timed, bottom, strict=True)])
+    if other.any():
+        ax.bar(steps, other, bottom=bottom, label="other", color="lightgray")
+    # generate_async ran on the rollout pool while the previous step's phases ran (its wait shows as this step's
+    # gen): stacked, it would add seconds the step did not take, so it is a line over the bars, not a bar.
+    background = [r for r in timed if f"timing_s/{_BACKGROUND}" in r]
+    if background:
+        ax.plot(
+            [r["step"] for r in background],
+            [r[f"timing_s/{_BACKGROUND}"] for r in background],
+            color="black",
+            marker="D",
+            linestyle=":",
+            label=f"{_BACKGROUND} (background, not stacked)",
+        )
