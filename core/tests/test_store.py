@@ -1,9 +1,11 @@
+import itertools
 import json
 import multiprocessing
 import os
 import pickle
 import random
 import signal
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -203,33 +205,85 @@ def _dump_forever(root: str, step: int, seeds: list[int], ready) -> None:
             store.save(step, batch, fingerprint=fingerprint(batch))
 
 
+def _save_stopping_at(root: str, batches: list[Batch], point: int, conn) -> None:
+    """Save ``batches`` in turn as step 1, stopping before the ``point``-th durable file operation
+    (an fsync or a rename: a disk slower than any timing could make it) to be killed there."""
+    operations = 0
+
+    def stopping(real):
+        def operation(*args, **kwargs):
+            nonlocal operations
+            operations += 1
+            if operations == point:
+                conn.send("stopped")
+                threading.Event().wait()
+            return real(*args, **kwargs)
+
+        return operation
+
+    os.fsync, os.rename, os.replace = stopping(os.fsync), stopping(os.rename), stopping(os.replace)
+    store = CacheStore(root, NS, role="rollout")
+    for batch in batches:
+        store.save(1, batch, fingerprint=fingerprint(batch))
+    conn.send("saved")
+
+
+def _entry_after_sigkill(store: CacheStore, expected: list[Batch]) -> int | None:
+    """Which of ``expected`` the entry of step 1 loads as, ``None`` for no entry; anything else fails."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheWarning)  # a partial entry would warn and miss
+        entry = store.entry(1)
+    if entry is None:
+        return None
+    loaded = store.load(entry)
+    (index,) = [i for i, batch in enumerate(expected) if loaded.equals(batch)]
+    return index
+
+
 @pytest.mark.slow
-def test_sigkill_at_any_instant_never_leaves_a_loadable_partial_entry(tmp_path):
+def test_sigkill_at_every_durable_step_of_a_dump_leaves_the_old_entry_the_new_one_or_none(tmp_path):
+    """A first dump and then its replacement, killed before each fsync and rename in turn: the
+    entry is always absent or complete, the first dump's until the replacement lands, never back."""
+    ctx = multiprocessing.get_context("fork")
+    expected = [make_batch(n=8, seed=s, width=64) for s in (1, 2)]
+    outcomes, left_over = [], []
+    for point in itertools.count(1):
+        root = tmp_path / str(point)
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_save_stopping_at, args=(str(root), expected, point, child))
+        proc.start()
+        assert parent.poll(60), "the dumping process neither stopped nor finished"
+        message = parent.recv()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join()
+        if message == "saved":
+            break
+        outcomes.append(_entry_after_sigkill(CacheStore(root, NS, role="rollout"), expected))
+        left_over.append(bool(list(leftovers(root))))
+    assert point > 8  # every fsync and rename of two dumps
+    assert set(outcomes) == {None, 0, 1}
+    first, last = outcomes.index(0), len(outcomes) - 1 - outcomes[::-1].index(0)
+    assert set(outcomes[:first]) == {None} and 1 not in outcomes[:last]  # never back to the first dump
+    assert outcomes[-1] == 1 and any(left_over)
+
+
+@pytest.mark.slow
+def test_sigkill_at_a_random_instant_never_leaves_a_loadable_partial_entry(tmp_path):
+    """Kills wherever they land, mid-write included; which instants they hit does not matter."""
     ctx = multiprocessing.get_context("fork")
     seeds = [1, 2]
     expected = [make_batch(n=64, seed=s, width=4096) for s in seeds]
     rng = random.Random(0)
     store = CacheStore(tmp_path, NS, role="rollout")
-    outcomes = {"absent": 0, "loaded": 0}
-    for trial in range(30):
+    for trial in range(12):
         ready = ctx.Event()
         proc = ctx.Process(target=_dump_forever, args=(str(tmp_path), 1, seeds, ready))
         proc.start()
-        assert ready.wait(30)
+        assert ready.wait(60)
         time.sleep(rng.uniform(0, 0.25) if trial % 3 else rng.uniform(0, 0.01))
         os.kill(proc.pid, signal.SIGKILL)
         proc.join()
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", CacheWarning)
-            entry = store.entry(1)
-        if entry is None:
-            outcomes["absent"] += 1
-        else:
-            loaded = store.load(entry)
-            assert any(loaded.equals(b) for b in expected)
-            outcomes["loaded"] += 1
-    assert outcomes["loaded"] > 0  # the trials did reach complete dumps
-    assert list(leftovers(tmp_path))  # and some kills landed in the middle of one
+        _entry_after_sigkill(store, expected)
 
 
 def _dump_n_times(root: str, seed: int, start) -> None:
