@@ -50,6 +50,13 @@ PROMPT_LEN = 8
 RESPONSE_LEN = 8
 STEPS = (1, 2)
 DUMPS = {"dump_default": None, "dump_numpy": "numpy"}  # directory: VERL_DATAPROTO_SERIALIZATION_METHOD
+RUN = f"{EXPERIMENT}_{PROJECT}"
+SHAPE = f"GBS{GBS}_N{N}_in{PROMPT_LEN}_out{RESPONSE_LEN}"
+
+
+def step_dir(dump_dir: Path, step: int, run: str = RUN) -> Path:
+    """Where verl's rollout skip writes a step's ``gen_batch.dp`` and ``meta.json``."""
+    return dump_dir / run / SHAPE / str(step)
 
 
 def run_config(dump_dir: str) -> dict:
@@ -159,7 +166,7 @@ def main() -> None:
             )
             Rollout().generate_sequences(prompts)
         for step in STEPS:  # read back with verl and compare
-            path = root / f"{EXPERIMENT}_{PROJECT}" / f"GBS{GBS}_N{N}_in{PROMPT_LEN}_out{RESPONSE_LEN}" / str(step)
+            path = step_dir(root, step)
             loaded = DataProto.load_from_disk(path / "gen_batch.dp")
             tensors, non_tensors, _ = rollout_output(step)
             assert all(torch.equal(loaded.batch[k], v) for k, v in tensors.items()), step

@@ -1,15 +1,9 @@
-"""Convert verl's rollout-skip dumps into skip cache entries (``skip cache import-verl``).
+"""Decode verl's ``gen_batch.dp`` pickles into skip ``Batch``es without running code from them.
 
-verl 0.9.1 (``verl/utils/skip/rollout_skip.py``, ``RolloutSkip.prepare_data``) writes, per
-dumped step::
-
-    {dump_dir}/{experiment_name}_{project_name}/GBS{gbs}_N{n}_in{prompt}_out{response}/{step}/
-        gen_batch.dp    DataProto.save_to_disk: pickle.dump of the DataProto
-        meta.json       {"global_steps": step}
-
-``DataProto.__getstate__`` (``verl/protocol.py``) pickles the tuple
-``(batch, non_tensor_batch, meta_info)``. ``batch`` is, by default, the bytes of
-``torch.save`` of the consolidated TensorDict: a torch zip archive whose ``data.pkl`` calls
+``DataProto.save_to_disk`` (verl 0.9.1, ``verl/protocol.py``) is a ``pickle.dump`` of the
+DataProto, whose ``__getstate__`` gives the tuple ``(batch, non_tensor_batch, meta_info)``.
+``batch`` is, by default, the bytes of ``torch.save`` of the consolidated TensorDict: a torch
+zip archive whose ``data.pkl`` calls
 ``tensordict._reductions._rebuild_tensordict_files_consolidated(metadata, storage)`` with one
 flat uint8 storage and per-key ``(dtype, shape, start, stop, pad)`` slices of it (an empty
 TensorDict is saved unconsolidated, through ``_make_td(TensorDict, state)``; a missing batch
@@ -23,36 +17,27 @@ globals listed in this module (numpy's array reconstruction, ``torch.Size``, and
 for verl's ``DataProto`` and tensordict's rebuild functions that only collect data; tensors
 are rebuilt here from the archive's raw storage records) and refuses any other global with
 an ``UnsafePickleError`` naming it. What ``find_class`` returns cannot be modified through
-pickle's BUILD opcode. The CLI still requires ``--trust-pickle``.
+pickle's BUILD opcode.
 """
 
 from __future__ import annotations
 
 import collections
+import importlib
 import io
-import json
 import os
 import pickle
-import re
 import sys
 import types
 import zipfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import IO, Any, ClassVar
 
 import numpy as np
 import torch
 from skip_core.batch import Batch
-from skip_core.config import Namespace
-from skip_core.store import CacheStore
-
-GEN_BATCH = "gen_batch.dp"
-VERL_META = "meta.json"
-TQ_BATCH = "tq_batch.pt"  # verl's rollout_tq (TransferQueue) dumps: not a DataProto, not imported
-SHAPE = re.compile(r"GBS(\d+)_N(\d+)_in(\d+)_out(\d+)")
-MAX_VERL_META_BYTES = 1 << 20
 
 
 class UnsafePickleError(pickle.UnpicklingError):
@@ -63,63 +48,29 @@ class VerlDumpError(ValueError):
     """A dump that is not in verl's rollout-skip format or cannot be stored as a skip entry."""
 
 
-class ImportedSteps(list):
-    """The step directories written (a ``list[Path]``); ``failed`` lists ``(source, reason)``."""
+# -- the globals a verl dump may name --------------------------------------------------------
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.failed: list[tuple[Path, str]] = []
-
-
-# -- restricted unpickling -------------------------------------------------------------------
-
+# A fixed list, so that no attribute of torch is looked up by a name taken from a file.
 _DTYPE_NAMES = (
-    "bool",
-    "uint8",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint16",
-    "uint32",
-    "uint64",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-    "complex64",
-    "complex128",
-    "float8_e4m3fn",
-    "float8_e5m2",
-    "float8_e4m3fnuz",
-    "float8_e5m2fnuz",
-)
-# "float32" -> torch.float32, for the names this torch has (a fixed list: no attribute lookups
-# by names taken from a file).
+    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+    "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+)  # fmt: skip
+# "float32" -> torch.float32, for the names this torch has.
 DTYPES: dict[str, torch.dtype] = {
     name: dtype for name in _DTYPE_NAMES if isinstance(dtype := getattr(torch, name, None), torch.dtype)
 }
 # torch.save names a storage by its legacy typed class (``torch.FloatStorage``) or ``UntypedStorage``.
 _LEGACY_STORAGES = {
-    "BoolStorage": "bool",
-    "ByteStorage": "uint8",
-    "CharStorage": "int8",
-    "ShortStorage": "int16",
-    "IntStorage": "int32",
-    "LongStorage": "int64",
-    "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16",
-    "FloatStorage": "float32",
-    "DoubleStorage": "float64",
-    "ComplexFloatStorage": "complex64",
-    "ComplexDoubleStorage": "complex128",
-    "UntypedStorage": "uint8",
-}
+    "BoolStorage": "bool", "ByteStorage": "uint8", "CharStorage": "int8", "ShortStorage": "int16",
+    "IntStorage": "int32", "LongStorage": "int64", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
+    "FloatStorage": "float32", "DoubleStorage": "float64", "ComplexFloatStorage": "complex64",
+    "ComplexDoubleStorage": "complex128", "UntypedStorage": "uint8",
+}  # fmt: skip
 
 
 def _numpy_global(name: str, *modules: str) -> Any:
-    import importlib
-
+    """``name`` from the first of ``modules`` that has it: numpy 2 renamed ``numpy.core`` to ``numpy._core``."""
     for module in modules:
         try:
             return getattr(importlib.import_module(module), name)
@@ -141,12 +92,14 @@ def _numpy_globals() -> dict[tuple[str, str], Any]:
     return allowed
 
 
+_TENSOR_IN_DATA = (
+    "a torch tensor inside non_tensor_batch or meta_info (e.g. multi_modal_inputs), which a skip entry cannot "
+    "store as data"
+)
 # Globals that a verl dump can hold but an import cannot use: refused with the reason.
 _UNSUPPORTED = {
-    ("torch.storage", "_load_from_bytes"): "a torch tensor inside non_tensor_batch or meta_info "
-    "(e.g. multi_modal_inputs), which a skip entry cannot store as data",
-    ("torch._utils", "_rebuild_tensor_v2"): "a torch tensor inside non_tensor_batch or meta_info "
-    "(e.g. multi_modal_inputs), which a skip entry cannot store as data",
+    ("torch.storage", "_load_from_bytes"): _TENSOR_IN_DATA,
+    ("torch._utils", "_rebuild_tensor_v2"): _TENSOR_IN_DATA,
     ("PIL.Image", "Image"): "an image inside non_tensor_batch (multi_modal_data), which a skip entry cannot store",
 }
 
@@ -185,16 +138,23 @@ class _Global:
 
 
 def _sealed(allowed: Mapping[tuple[str, str], Any]) -> Mapping[tuple[str, str], Any]:
+    """``allowed`` as a read-only mapping, its Python functions wrapped in ``_Global``."""
     return types.MappingProxyType(
         {key: _Global(value) if isinstance(value, types.FunctionType) else value for key, value in allowed.items()}
     )
 
 
 class RestrictedUnpickler(pickle.Unpickler):
-    """An unpickler that resolves only the globals in ``allowed`` and refuses all others."""
+    """An unpickler that resolves only the globals in ``allowed`` and refuses all others.
+
+    ``where`` names the pickle in its errors.
+    """
 
     allowed: ClassVar[Mapping[tuple[str, str], Any]] = {}
-    where = "pickle"
+
+    def __init__(self, file: IO[bytes], where: str) -> None:
+        super().__init__(file)
+        self.where = where
 
     def find_class(self, module: str, name: str) -> Any:
         found = self.allowed.get((module, name))
@@ -211,6 +171,9 @@ class RestrictedUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafePickleError(f"refusing persistent id {pid!r} in {self.where}")
+
+
+# -- stand-ins for verl's and tensordict's globals -------------------------------------------
 
 
 class _DataProtoState(metaclass=_Sealed):
@@ -248,28 +211,31 @@ def _consolidated_td(metadata: Any, storage: Any) -> _TensorDict:
     meta.pop("size", None)
     if cls != "TensorDict":
         raise VerlDumpError(f"batch is a {cls!r}, not a TensorDict")
-    if meta:
+    if meta:  # what is left are the keys of nested TensorDicts
         raise VerlDumpError(f"batch has nested TensorDicts {sorted(map(str, meta))}; skip stores flat tensors only")
     if non_tensors:
         raise VerlDumpError(f"batch TensorDict has non-tensor entries {sorted(map(str, non_tensors))}")
     if not isinstance(leaves, Mapping):
         raise VerlDumpError("consolidated TensorDict metadata has no leaves")
-    tensors = {}
-    for key, spec in leaves.items():
-        if not isinstance(key, str) or key.startswith("<NJT"):
-            raise VerlDumpError(f"batch[{key!r}] is a nested (jagged) tensor, which skip cannot store")
-        try:
-            dtype_name, shape, start, stop, pad = spec
-            dtype = DTYPES[str(dtype_name).removeprefix("torch.")]
-            shape = torch.Size([int(n) for n in shape])
-            value = storage[int(start) : int(stop)].view(dtype)
-            if pad:
-                value = value[: shape.numel()]
-            tensors[key] = value.view(shape)
-        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-            raise VerlDumpError(f"batch[{key!r}]: bad consolidated leaf {spec!r} ({exc})") from None
+    tensors = {key: _consolidated_leaf(storage, key, spec) for key, spec in leaves.items()}
     batch_size = cls_metadata.get("batch_size", ()) if isinstance(cls_metadata, Mapping) else ()
     return _TensorDict(tensors, tuple(int(n) for n in batch_size))
+
+
+def _consolidated_leaf(storage: torch.Tensor, key: Any, spec: Any) -> torch.Tensor:
+    """The tensor ``batch[key]``: its ``(dtype, shape, start, stop, pad)`` slice of the flat storage."""
+    if not isinstance(key, str) or key.startswith("<NJT"):
+        raise VerlDumpError(f"batch[{key!r}] is a nested (jagged) tensor, which skip cannot store")
+    try:
+        dtype_name, shape, start, stop, pad = spec
+        dtype = DTYPES[str(dtype_name).removeprefix("torch.")]
+        shape = torch.Size([int(n) for n in shape])
+        value = storage[int(start) : int(stop)].view(dtype)
+        if pad:
+            value = value[: shape.numel()]
+        return value.view(shape)
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise VerlDumpError(f"batch[{key!r}]: bad consolidated leaf {spec!r} ({exc})") from None
 
 
 def _make_td(cls: Any, state: Any) -> _TensorDict:
@@ -284,8 +250,13 @@ def _make_td(cls: Any, state: Any) -> _TensorDict:
     return _TensorDict(dict(tensors), tuple(int(n) for n in batch_size))
 
 
+# -- the torch.save archive of DataProto.batch -----------------------------------------------
+
+
 @dataclass(frozen=True, slots=True)
 class _StorageType:
+    """A storage class of torch as ``find_class`` returns it: all a storage record needs is its dtype."""
+
     dtype: torch.dtype
 
 
@@ -298,6 +269,7 @@ class _Storage:
         self._flat: dict[torch.dtype, torch.Tensor] = {}
 
     def flat(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The record as a 1-d tensor of ``dtype`` (its own by default), over the same bytes."""
         dtype = dtype or self.dtype
         if dtype not in self._flat:
             self._flat[dtype] = _from_bytes(self.data, dtype)
@@ -305,48 +277,34 @@ class _Storage:
 
 
 def _from_bytes(data: bytearray, dtype: torch.dtype) -> torch.Tensor:
-    size = torch.empty((), dtype=dtype).element_size()
-    if len(data) % size:
+    """A 1-d tensor over ``data``, not a copy (``torch.frombuffer`` refuses an empty buffer)."""
+    if len(data) % dtype.itemsize:
         raise VerlDumpError(f"{len(data)} bytes are not a whole number of {dtype} elements")
     if not data:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(data, dtype=dtype)
 
 
-def _strided(flat: torch.Tensor, offset: Any, size: Any, stride: Any) -> torch.Tensor:
-    # as_strided checks the view against the storage's bounds and raises if it reaches past it
-    return torch.as_strided(flat, tuple(int(n) for n in size), tuple(int(n) for n in stride), int(offset))
-
-
 def _rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks, metadata=None) -> torch.Tensor:
     """torch's ``_rebuild_tensor_v2``, on a storage record read by ``_TorchZipUnpickler``."""
-    if not isinstance(storage, _Storage):
-        raise VerlDumpError("tensor rebuilt from something that is not a storage")
-    if hooks or metadata:
-        raise VerlDumpError("tensor with backward hooks or tensor metadata")
-    return _strided(storage.flat(), offset, size, stride)
+    return _view(storage, None, offset, size, stride, hooks, metadata)
 
 
 def _rebuild_tensor_v3(storage, offset, size, stride, requires_grad, hooks, dtype, metadata=None) -> torch.Tensor:
     """torch's ``_rebuild_tensor_v3`` (dtypes without a legacy storage class, e.g. uint16)."""
-    if not isinstance(storage, _Storage) or not isinstance(dtype, torch.dtype):
+    if not isinstance(dtype, torch.dtype):
+        raise VerlDumpError(f"tensor rebuilt as {dtype!r}, which is not a torch dtype")
+    return _view(storage, dtype, offset, size, stride, hooks, metadata)
+
+
+def _view(storage: Any, dtype: torch.dtype | None, offset, size, stride, hooks, metadata) -> torch.Tensor:
+    """The tensor a rebuild describes: a view of its storage read as ``dtype``, within its bounds."""
+    if not isinstance(storage, _Storage):
         raise VerlDumpError("tensor rebuilt from something that is not a storage")
     if hooks or metadata:
         raise VerlDumpError("tensor with backward hooks or tensor metadata")
-    return _strided(storage.flat(dtype), offset, size, stride)
-
-
-class _OuterUnpickler(RestrictedUnpickler):
-    """The ``gen_batch.dp`` pickle: a DataProto whose state holds numpy data and bytes."""
-
-    allowed: ClassVar[Mapping[tuple[str, str], Any]] = _sealed(
-        {
-            ("verl.protocol", "DataProto"): _DataProtoState,
-            ("torch", "Size"): torch.Size,  # VERL_DATAPROTO_SERIALIZATION_METHOD=numpy
-            ("collections", "OrderedDict"): collections.OrderedDict,
-            **_numpy_globals(),
-        }
-    )
+    size, stride = tuple(int(n) for n in size), tuple(int(n) for n in stride)
+    return torch.as_strided(storage.flat(dtype), size, stride, int(offset))  # raises past the storage's end
 
 
 class _TorchZipUnpickler(RestrictedUnpickler):
@@ -369,30 +327,34 @@ class _TorchZipUnpickler(RestrictedUnpickler):
     )
 
     def __init__(self, archive: zipfile.ZipFile, prefix: str, where: str) -> None:
-        super().__init__(io.BytesIO(_stored(archive, f"{prefix}/data.pkl", where)))
+        super().__init__(io.BytesIO(archive.read(_stored_info(archive, f"{prefix}/data.pkl", where))), where)
         self.archive = archive
         self.prefix = prefix
-        self.where = where
         self.storages: dict[str, _Storage] = {}
 
     def persistent_load(self, pid: Any) -> Any:
+        """``torch.save``'s reference to a storage record: ``("storage", type, key, location, numel)``."""
         if not isinstance(pid, tuple) or len(pid) != 5:
             raise UnsafePickleError(f"refusing persistent id {pid!r} in {self.where}")
         kind, storage_type, key, _location, numel = pid
         kind = kind.decode("ascii") if isinstance(kind, bytes) else kind
         if kind != "storage" or not isinstance(storage_type, _StorageType) or not isinstance(key, str):
             raise UnsafePickleError(f"refusing persistent id {pid!r} in {self.where}")
-        if key not in self.storages:
-            name = f"{self.prefix}/data/{key}"
-            info = _stored_info(self.archive, name, self.where)
-            expected = int(numel) * torch.empty((), dtype=storage_type.dtype).element_size()
-            if info.file_size != expected:
-                raise VerlDumpError(f"storage record {name} has {info.file_size} bytes, expected {expected}")
-            data = bytearray(info.file_size)
-            with self.archive.open(info) as f:
-                f.readinto(data)
-            self.storages[key] = _Storage(data, storage_type.dtype)
+        if key not in self.storages:  # tensors sharing a storage reference it once each
+            self.storages[key] = self._read_storage(key, storage_type.dtype, numel)
         return self.storages[key]
+
+    def _read_storage(self, key: str, dtype: torch.dtype, numel: Any) -> _Storage:
+        """The record ``data/{key}``, which must hold exactly ``numel`` elements of ``dtype``."""
+        name = f"{self.prefix}/data/{key}"
+        info = _stored_info(self.archive, name, self.where)
+        expected = int(numel) * dtype.itemsize
+        if info.file_size != expected:
+            raise VerlDumpError(f"storage record {name} has {info.file_size} bytes, expected {expected}")
+        data = bytearray(info.file_size)
+        with self.archive.open(info) as f:
+            f.readinto(data)
+        return _Storage(data, dtype)
 
 
 def _stored_info(archive: zipfile.ZipFile, name: str, where: str) -> zipfile.ZipInfo:
@@ -406,10 +368,6 @@ def _stored_info(archive: zipfile.ZipFile, name: str, where: str) -> zipfile.Zip
     return info
 
 
-def _stored(archive: zipfile.ZipFile, name: str, where: str) -> bytes:
-    return archive.read(_stored_info(archive, name, where))
-
-
 def _load_torch_archive(raw: bytes, where: str) -> Any:
     """What ``torch.load`` would return for ``raw``, through ``_TorchZipUnpickler`` only."""
     if not zipfile.is_zipfile(io.BytesIO(raw)):
@@ -420,10 +378,26 @@ def _load_torch_archive(raw: bytes, where: str) -> Any:
             raise VerlDumpError(f"{where} is not a torch.save archive (data.pkl records: {pickles})")
         prefix = pickles[0].removesuffix("/data.pkl")
         if f"{prefix}/byteorder" in archive.namelist():
-            order = _stored(archive, f"{prefix}/byteorder", where).decode("ascii", "replace")
+            order = archive.read(_stored_info(archive, f"{prefix}/byteorder", where)).decode("ascii", "replace")
             if order != sys.byteorder:
                 raise VerlDumpError(f"{where} was written on a {order}-endian machine")
         return _TorchZipUnpickler(archive, prefix, where).load()
+
+
+# -- the DataProto ---------------------------------------------------------------------------
+
+
+class _OuterUnpickler(RestrictedUnpickler):
+    """The ``gen_batch.dp`` pickle: a DataProto whose state holds numpy data and bytes."""
+
+    allowed: ClassVar[Mapping[tuple[str, str], Any]] = _sealed(
+        {
+            ("verl.protocol", "DataProto"): _DataProtoState,
+            ("torch", "Size"): torch.Size,  # VERL_DATAPROTO_SERIALIZATION_METHOD=numpy
+            ("collections", "OrderedDict"): collections.OrderedDict,
+            **_numpy_globals(),
+        }
+    )
 
 
 def _decode_numpy_batch(state: Any) -> _TensorDict:
@@ -445,27 +419,28 @@ def _decode_numpy_batch(state: Any) -> _TensorDict:
     return _TensorDict(tensors, tuple(int(n) for n in batch_size))
 
 
+def _decode_batch(state: Any, where: str) -> _TensorDict | None:
+    """``DataProto.batch`` from its pickled state: ``torch.save`` bytes, ``None``, or verl's numpy form."""
+    if state is None:
+        return None
+    batch = _load_torch_archive(state, where) if isinstance(state, bytes) else _decode_numpy_batch(state)
+    if batch is not None and not isinstance(batch, _TensorDict):  # torch.save(None) is a DataProto without tensors
+        raise VerlDumpError(f"DataProto.batch is a {type(batch).__name__}, not a TensorDict")
+    return batch
+
+
 def read_gen_batch(path: str | os.PathLike) -> Batch:
     """Decode one verl ``gen_batch.dp`` into a ``Batch`` without running code from it."""
     path = Path(path)
     with open(path, "rb") as f:
-        unpickler = _OuterUnpickler(f)
-        unpickler.where = str(path)
-        proto = unpickler.load()
+        proto = _OuterUnpickler(f, str(path)).load()
     if not isinstance(proto, _DataProtoState):
         raise VerlDumpError(f"holds a {type(proto).__name__}, not a verl DataProto")
     state = proto.state
     if not isinstance(state, tuple) or len(state) != 3:
         raise VerlDumpError("DataProto state is not verl's (batch, non_tensor_batch, meta_info)")
     batch_state, non_tensors, meta_info = state
-    if isinstance(batch_state, bytes):
-        batch = _load_torch_archive(batch_state, f"{path} (DataProto.batch)")
-    elif batch_state is None:
-        batch = None
-    else:
-        batch = _decode_numpy_batch(batch_state)
-    if batch is not None and not isinstance(batch, _TensorDict):
-        raise VerlDumpError(f"DataProto.batch is a {type(batch).__name__}, not a TensorDict")
+    batch = _decode_batch(batch_state, f"{path} (DataProto.batch)")
     if not isinstance(non_tensors, dict) or not isinstance(meta_info, (dict, type(None))):
         raise VerlDumpError("DataProto non_tensor_batch/meta_info are not dicts")
     tensors = batch.tensors if batch is not None else {}
@@ -473,151 +448,3 @@ def read_gen_batch(path: str | os.PathLike) -> Batch:
     if batch is not None and batch.batch_size and tensors and batch.batch_size[0] != len(result):
         raise VerlDumpError(f"TensorDict batch size {batch.batch_size} disagrees with its tensors")
     return result
-
-
-# -- verl's layout ---------------------------------------------------------------------------
-
-
-def find_dumps(src: Path) -> Iterator[Path]:
-    """Every ``gen_batch.dp`` and ``tq_batch.pt`` under ``src``, in (directory, step) order."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(src):
-        dirnames.sort()
-        for name in (GEN_BATCH, TQ_BATCH):
-            if name in filenames:
-                found.append(Path(dirpath) / name)
-    yield from sorted(found, key=_order)
-
-
-def _order(path: Path) -> tuple:
-    parts = path.parent.parts
-    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in parts)
-
-
-def split_run_name(run: str, experiment_name: str | None = None, project_name: str | None = None) -> tuple[str, str]:
-    """``(experiment_name, project_name)`` of verl's ``{experiment_name}_{project_name}`` directory."""
-    splits = [(run[:i], run[i + 1 :]) for i, c in enumerate(run) if c == "_"]
-    if experiment_name is not None and project_name is not None:
-        if f"{experiment_name}_{project_name}" != run:
-            raise VerlDumpError(
-                f"run directory {run!r} is not experiment {experiment_name!r} + '_' + project {project_name!r}"
-            )
-        return experiment_name, project_name
-    if not splits:
-        raise VerlDumpError(f"run directory {run!r} is not verl's {{experiment_name}}_{{project_name}}")
-    if experiment_name is not None:
-        matches = [s for s in splits if s[0] == experiment_name]
-        if not matches:
-            raise VerlDumpError(f"run directory {run!r} does not start with experiment name {experiment_name!r} + '_'")
-    elif project_name is not None:
-        matches = [s for s in splits if s[1] == project_name]
-        if not matches:
-            raise VerlDumpError(f"run directory {run!r} does not end with '_' + project name {project_name!r}")
-    else:
-        matches = splits
-    if len(matches) > 1:
-        options = ", ".join(f"{e!r} + {p!r}" for e, p in matches)
-        raise VerlDumpError(
-            f"cannot tell experiment_name from project_name in run directory {run!r} ({options}); "
-            "pass the experiment name or the project name (--experiment-name / --project-name)"
-        )
-    return matches[0]
-
-
-def _verl_meta(step_dir: Path) -> dict:
-    path = step_dir / VERL_META
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_VERL_META_BYTES + 1)
-    except FileNotFoundError:
-        raise VerlDumpError(f"incomplete verl dump: {path} is missing (verl skips such a step too)") from None
-    try:
-        meta = json.loads(raw) if len(raw) <= MAX_VERL_META_BYTES else None
-    except ValueError:
-        meta = None
-    if not isinstance(meta, dict):
-        raise VerlDumpError(f"{path} is not verl's meta.json")
-    return meta
-
-
-def target_of(
-    dump: Path, experiment_name: str | None = None, project_name: str | None = None
-) -> tuple[Namespace, int, list[str]]:
-    """The skip namespace and step of a ``gen_batch.dp``, from verl's layout; plus warnings."""
-    step_dir = dump.absolute().parent
-    shape_dir = step_dir.parent
-    match = SHAPE.fullmatch(shape_dir.name)
-    if not step_dir.name.isdigit() or match is None:
-        raise VerlDumpError(
-            "not in verl's layout {dump_dir}/{experiment}_{project}/GBS{gbs}_N{n}_in{prompt}_out{response}/{step}/"
-        )
-    step = int(step_dir.name)
-    meta = _verl_meta(step_dir)
-    warnings = []
-    if "global_steps" in meta and meta["global_steps"] != step:
-        warnings.append(f"meta.json records global_steps {meta['global_steps']!r}; using the directory's step {step}")
-    run = shape_dir.parent.name
-    named = meta.get("experiment_name"), meta.get("project_name")
-    if experiment_name is None and project_name is None and all(isinstance(n, str) for n in named):
-        experiment_name, project_name = named  # a verl that records the names in meta.json
-    experiment, project = split_run_name(run, experiment_name, project_name)
-    gbs, n, prompt_len, response_len = (int(g) for g in match.groups())
-    return Namespace(experiment, project, gbs, n, prompt_len, response_len), step, warnings
-
-
-# -- the command -----------------------------------------------------------------------------
-
-
-def import_verl(
-    src: str | os.PathLike,
-    dst: str | os.PathLike,
-    echo: Callable[[str], Any] = print,
-    *,
-    experiment_name: str | None = None,
-    project_name: str | None = None,
-    role: str = "rollout",
-) -> ImportedSteps:
-    """Convert every verl ``gen_batch.dp`` under ``src`` into a skip entry of ``role`` under ``dst``.
-
-    ``dst`` is the ``skip.<role>.dump_dir`` of the run that should find the entries; each lands in
-    the namespace verl's directory names (``experiment_name``/``project_name`` settle a run
-    directory whose name splits more than one way). One line is echoed per step; a dump that
-    cannot be converted is reported and skipped. Returns the step directories written, with
-    the failures in ``.failed``.
-    """
-    src, dst = Path(src), Path(dst)
-    written = ImportedSteps()
-    sources: dict[Path, Path] = {}  # destination entry -> the dump imported into it
-    dumps = 0
-    for dump in find_dumps(src):
-        if dump.name == TQ_BATCH:
-            echo(f"skipping {dump}: verl rollout_tq (TransferQueue) dumps are not supported")
-            continue
-        dumps += 1
-        try:
-            namespace, step, warnings = target_of(dump, experiment_name, project_name)
-            for warning in warnings:
-                echo(f"warning: {dump}: {warning}")
-            batch = read_gen_batch(dump)
-            store = CacheStore(dst, namespace, role=role)
-            target = store.path(step)
-            if target.resolve() == dump.parent.resolve():
-                raise VerlDumpError("the destination entry is this verl step directory; choose another DST")
-            if target in sources:
-                raise VerlDumpError(f"{sources[target]} was already imported into {target} (same namespace and step)")
-            replaced = target.exists()
-            path = store.save(step, batch, fingerprint=None)
-        except Exception as exc:  # one bad dump must not stop the others
-            reason = str(exc) or type(exc).__name__
-            written.failed.append((dump, reason))
-            echo(f"error: {dump}: {reason}")
-            continue
-        sources[path] = dump
-        written.append(path)
-        note = ", replaced the existing entry" if replaced else ""
-        echo(f"{dump} -> {path} ({len(batch)} samples, step {step}{note})")
-    if not dumps:
-        echo(f"no {GEN_BATCH} found under {src}")
-    elif written.failed:
-        echo(f"{len(written.failed)} of {dumps} verl dumps could not be imported")
-    return written
