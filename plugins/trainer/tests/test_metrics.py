@@ -290,7 +290,7 @@ def test_plot_writes_a_png(tmp_path, with_val):
     assert [p.name for p in path.parent.iterdir()] == ["run.png"]
 
 
-def _val_lines(history):
+def _score_lines(history):
     score_ax = plot_figure(history).axes[0]
     return {line.get_label(): (line.get_xdata().tolist(), line.get_ydata().tolist()) for line in score_ax.lines}
 
@@ -301,7 +301,7 @@ def test_plot_draws_the_only_data_source_once():
         {"step": 1, "critic/score/mean": 0.3, "timing_s/step": 1.0},
         {"step": 2, "critic/score/mean": 0.5, "val/score/mean": 0.4, "val/arithmetic/score/mean": 0.4},
     ]
-    assert _val_lines(history) == {
+    assert _score_lines(history) == {
         "train": ([1, 2], [0.3, 0.5]),
         "val/score/mean = val/arithmetic/score/mean": ([0, 2], [0.2, 0.4]),
     }
@@ -312,12 +312,16 @@ def test_plot_draws_each_data_source_of_several_and_folds_only_equal_ones():
         {"step": 0, "val/score/mean": 0.3, "val/a/score/mean": 0.2, "val/b/score/mean": 0.4, "val/c/score/mean": 0.3},
         {"step": 2, "val/score/mean": 0.5, "val/a/score/mean": 0.4, "val/b/score/mean": 0.6, "val/c/score/mean": 0.5},
     ]
-    assert _val_lines(history) == {
-        "train": ([], []),
+    assert _score_lines(history) == {
         "val/score/mean = val/c/score/mean": ([0, 2], [0.3, 0.5]),
         "val/a/score/mean": ([0, 2], [0.2, 0.4]),
         "val/b/score/mean": ([0, 2], [0.4, 0.6]),
     }
+
+
+def test_plot_draws_train_and_val_once_when_they_coincide():
+    history = [{"step": s, "critic/score/mean": 0.0, "val/score/mean": 0.0, "val/a/score/mean": 0.0} for s in (1, 2)]
+    assert _score_lines(history) == {"train = val/score/mean = val/a/score/mean": ([1, 2], [0.0, 0.0])}
 
 
 def _step(step, **seconds):

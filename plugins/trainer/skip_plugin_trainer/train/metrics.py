@@ -47,6 +47,7 @@ _PHASE_LABELS = {"testing": "validation"}
 #: one_step_off's generation of a batch on the rollout pool, while the previous step trained: not part of the step.
 _BACKGROUND = "generate_async"
 _PER_TOKEN_PHASES = ("reward", "old_log_prob", "ref", "adv", "update_actor")
+_TRAIN_SCORE = "critic/score/mean"
 _VAL_MEAN = re.compile(r"^val(-core)?/.*(score|reward)/mean(@\d+)?$")
 
 
@@ -335,10 +336,9 @@ def plot_figure(history: Sequence[Mapping[str, Any]]) -> Figure:
     fig = Figure(figsize=(10, 6), layout="constrained")
     FigureCanvasAgg(fig)
     score_ax, time_ax = fig.subplots(2, 1, sharex=True)
-    scored = [r for r in history if "critic/score/mean" in r]
-    score_ax.plot([r["step"] for r in scored], [r["critic/score/mean"] for r in scored], marker="o", label="train")
-    for label, steps, values in _val_series(history):
-        score_ax.plot(steps, values, marker="s", linestyle="--", label=label)
+    for keys, steps, values in _score_series(history):
+        style = {"marker": "o"} if keys[0] == _TRAIN_SCORE else {"marker": "s", "linestyle": "--"}
+        score_ax.plot(steps, values, label=" = ".join("train" if k == _TRAIN_SCORE else k for k in keys), **style)
     score_ax.set_ylabel("score mean")
     _phase_bars(time_ax, history)
     time_ax.set_xlabel("step")
@@ -350,20 +350,21 @@ def plot_figure(history: Sequence[Mapping[str, Any]]) -> Figure:
     return fig
 
 
-def _val_series(history: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[int], list[float]]]:
-    """Validation score means as (label, steps, values), overall means first. A series equal to one already kept
-    joins its label instead of drawing a second line on top of it: with one data source, its mean is the overall
-    mean (``val/score/mean = val/arithmetic/score/mean``)."""
-    keys = sorted({k for r in history for k in r if _VAL_MEAN.match(k)}, key=lambda k: (k.count("/"), k))
-    series: list[tuple[str, list[int], list[float]]] = []
-    for key in keys:
+def _score_series(history: Sequence[Mapping[str, Any]]) -> list[tuple[list[str], list[int], list[float]]]:
+    """Train, then validation score means (overall before per source) as (keys, steps, values). A series equal to
+    one already kept joins its keys instead of drawing a second line on top of it: the only data source's mean is
+    the overall mean (``val/score/mean = val/arithmetic/score/mean``); train is val in a run scoring 0 throughout."""
+    val_keys = sorted({k for r in history for k in r if _VAL_MEAN.match(k)}, key=lambda k: (k.count("/"), k))
+    series: list[tuple[list[str], list[int], list[float]]] = []
+    for key in (_TRAIN_SCORE, *val_keys):
         steps, values = [r["step"] for r in history if key in r], [r[key] for r in history if key in r]
-        for i, (label, kept_steps, kept_values) in enumerate(series):
-            if kept_steps == steps and np.allclose(kept_values, values, equal_nan=True):
-                series[i] = (f"{label} = {key}", kept_steps, kept_values)
-                break
+        if not steps:
+            continue
+        same = next((s for s in series if s[1] == steps and np.allclose(s[2], values, equal_nan=True)), None)
+        if same is None:
+            series.append(([key], steps, values))
         else:
-            series.append((key, steps, values))
+            same[0].append(key)
     return series
 
 
@@ -393,11 +394,6 @@ def _phase_bars(ax: Axes, history: Sequence[Mapping[str, Any]]) -> None:
     # gen): stacked, it would add seconds the step did not take, so it is a line over the bars, not a bar.
     background = [r for r in timed if f"timing_s/{_BACKGROUND}" in r]
     if background:
-        ax.plot(
-            [r["step"] for r in background],
-            [r[f"timing_s/{_BACKGROUND}"] for r in background],
-            color="black",
-            marker="D",
-            linestyle=":",
-            label=f"{_BACKGROUND} (background, not stacked)",
-        )
+        seconds = [r[f"timing_s/{_BACKGROUND}"] for r in background]
+        label = f"{_BACKGROUND} (background, not stacked)"
+        ax.plot([r["step"] for r in background], seconds, color="black", marker="D", linestyle=":", label=label)
