@@ -295,7 +295,8 @@ def _fig_turns(a: Analysis) -> Figure:
     if not t.by_count.num_rows:
         _empty(by_count, "no requests")
     else:
-        by_count.bar([str(k) for k in t.by_count["turns"].to_pylist()], t.by_count["mean_duration"].to_numpy())
+        bars = by_count.bar([str(k) for k in t.by_count["turns"].to_pylist()], t.by_count["mean_duration"].to_numpy())
+        by_count.bar_label(bars, [f"n={n}" for n in t.by_count["requests"].to_pylist()], fontsize=8)
         by_count.set_xlabel("turns in the request")
         by_count.set_ylabel("mean request time (s)")
         by_count.set_title("Request time by number of turns")

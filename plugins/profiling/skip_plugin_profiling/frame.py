@@ -121,8 +121,9 @@ class Requests:
     def _generate(self, fr: Frame, rows: np.ndarray, inv: np.ndarray) -> None:
         gen = fr.is_event("generate")[rows]
         self.generates = np.bincount(inv, weights=gen, minlength=self.n).astype(np.int64)
-        duration = fr.end[rows] - fr.start[rows]
-        self.gen_time = np.bincount(inv, weights=np.where(gen, duration, 0.0), minlength=self.n)
+        # the union, not the sum: calls of one request that overlap (a logger timing one call
+        # twice, parallel sampling) took their time once
+        self.gen_time = union_length(inv[gen], fr.start[rows][gen], fr.end[rows][gen], self.n)
         tokens = fr.column("tokens_out")[rows]
         known = gen & ~np.isnan(tokens)
         summed = np.bincount(inv, weights=np.where(known, tokens, 0.0), minlength=self.n)

@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from skip_plugin_profiling import units
 from skip_plugin_profiling.analysis import Analysis, Finding, analyze, findings
+from skip_plugin_profiling.evidence import MIN_COUNT, MIN_STEPS
 from skip_plugin_profiling.figures import FIGURES, draw
 from skip_plugin_profiling.logs import Logs
 from skip_plugin_profiling.rollout import MAD_FLOOR, PEAK_MADS, PEAK_RATIO
@@ -115,18 +116,14 @@ def _s_read(logs: Logs) -> _Section:
     return _Section("Logs", text)
 
 
-def _s_read(logs: Logs) -> _Section:
-    text = [logs.summary() + "."]
-    if logs.line_by_line:
-        text.append(f"{len(logs.line_by_line)} files were read line by line (mixed types or garbage).")
-    return _Section("Logs", text)
-
-
 def _s_completion(a: Analysis, images) -> _Section:
     c = a.completion
     text = ["A request completes with its last event; times count from the step's first rollout-side event."]
     if c.headline_pct is not None:
-        text.append(f"80% of requests completed within the first {c.headline_pct:.0f}% of the rollout (median).")
+        text.append(
+            f"80% of requests completed within the first {c.headline_pct:.0f}% of the rollout (median over the "
+            f"{len(c.backed)} of {c.table.num_rows} steps with at least {MIN_COUNT} requests in their last 20%)."
+        )
     return _Section("Request completion", text, [_table("Per step", c.table)], images.get("cdf"))
 
 
@@ -135,9 +132,12 @@ def _s_rollout(a: Analysis, images) -> _Section:
     text = [
         f"Median rollout time {units.duration(r.median)}; a step is a peak above {units.duration(r.threshold)} "
         f"(median + {PEAK_MADS:g} MAD, MAD at least {MAD_FLOOR:.0%} of the median, and more than "
-        f"{PEAK_RATIO:g}× the median).",
-        f"Peaks: {', '.join(map(str, r.peaks))}." if r.peaks else "No peaks.",
+        f"{PEAK_RATIO:g}× the median). Peaks are named from {MIN_STEPS} steps up: the median of fewer is no "
+        f"baseline.",
+        f"Peaks: {_ids(r.peaks)}." if r.peaks else "No peaks.",
     ]
+    if r.left_out:
+        text.append(f"Above the threshold but not named, {r.table.num_rows} steps being too few: {_ids(r.left_out)}.")
     return _Section("Rollout time per step", text, [_table("Per step", r.table)], images.get("rollout_time"))
 
 
@@ -186,9 +186,13 @@ def _s_slowest(a: Analysis, images) -> _Section | None:
         f"Event outliers, all steps: spans whose time is above both median + {OUTLIER_MADS:g} MAD and "
         f"{OUTLIER_RATIO:g}× the median of their own event (per generated token for events whose spans all "
         f"carry tokens_out), by more than {units.duration(OUTLIER_MIN_S)} (events with at least "
-        f"{OUTLIER_MIN_SPANS} spans; barrier waits are left out); `usual` is what the median gives for the "
-        f"span: {outliers.num_rows or 'none'}."
+        f"{OUTLIER_MIN_SPANS} spans; barrier waits are left out). `usual` is the time the event's median gives "
+        f"the span (per token: the median time per token times its tokens); `ratio` is duration / usual. "
+        f"Spans flagged: {outliers.num_rows or 'none'}."
     )
+    if a.outliers.unjudged:
+        few = ", ".join(f"{name} ({n} span{'s' * (n != 1)})" for name, n in a.outliers.unjudged.items())
+        text.append(f"Not judged, too few spans for a median: {few}.")
     if outliers.num_rows:
         caption = "Event outliers, largest excess first" + (
             f" (first {_MAX_OUTLIER_ROWS} of {outliers.num_rows})" if outliers.num_rows > _MAX_OUTLIER_ROWS else ""
@@ -198,6 +202,10 @@ def _s_slowest(a: Analysis, images) -> _Section | None:
         return None
     title = f"Slowest requests of step {a.slowest[0].step}" if a.slowest else "Slow events"
     return _Section(title, text, tables, images.get("slowest_requests"))
+
+
+def _ids(steps: list[int]) -> str:
+    return ", ".join(map(str, steps))
 
 
 def _attrs(attrs: dict) -> str:
@@ -227,13 +235,22 @@ def _s_turns(a: Analysis, images) -> _Section:
             kind="share",
         ),
     ]
-    text = ["A request's turns are its `turns` attribute, else its number of generate events."]
+    text = [
+        "A request's turns are its `turns` attribute, else its number of generate events. `requests` and `calls` "
+        f"say how many back each mean; the findings compare two turn counts only when each has at least "
+        f"{MIN_COUNT} requests."
+    ]
     return _Section("Turns", text, tables, images.get("turns"))
 
 
 def _s_tail(a: Analysis, images) -> _Section:
     t = a.tail
-    text = [f"Total rollout time over the steps: {units.duration(t.total_rollout)}."]
+    text = [
+        f"Rollout wall time over the steps: {units.duration(t.total_rollout)} (the union of the steps' rollout "
+        f"windows: overlapping steps count once); {t.requests} requests, {t.with_tokens} with token counts. "
+        "`saved_s` is what that wall time loses when each step's last request ends earlier; `extra_time_s` is "
+        "the wall time with any engine call running, times the extra share of requests."
+    ]
     if t.note:
         text.append(f"Response length caps not estimated: {t.note}.")
     text.append("Assumptions: " + "; ".join(t.assumptions) + ".")

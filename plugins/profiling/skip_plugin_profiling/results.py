@@ -12,27 +12,37 @@ import pyarrow as pa
 TAIL_ASSUMPTIONS = (
     "engine throughput is unchanged: each request keeps its own time per generated token",
     "a truncated response ends at the cap and would score differently (often as a failure)",
-    "oversampled requests come from the same distribution; their extra load on the engine is not modelled",
+    "oversampled requests come from the same distribution; saved_s leaves out their extra load, which "
+    "extra_time_s bounds for saturated engines",
     "only request time is modelled: work after the last request (padding, barrier) is unchanged",
 )
 
 
 @dataclass
 class Completion:
-    """Per step: requests, rollout time and when 50/80/95/99% of requests had completed."""
+    """Per step: requests, rollout time and when 50/80/95/99% of requests had completed.
+
+    The headline compares a step's first 80% of requests with its last 20%, so only steps
+    whose last 20% holds at least ``evidence.MIN_COUNT`` requests back it (``backed``)."""
 
     table: pa.Table
     curves: dict[int, np.ndarray]  # step -> sorted completion times relative to t0
-    headline_pct: float | None  # median over steps of the % of rollout time by which 80% completed
+    headline_pct: float | None  # median over the backed steps of the % of rollout time by which 80% completed
+    backed: list[int] = field(default_factory=list)  # the steps the headline rests on
 
 
 @dataclass
 class RolloutTimes:
+    """Rollout time per step against the median of the steps. Peaks are named only when the
+    median rests on at least ``evidence.MIN_STEPS`` steps; with fewer, the steps above the
+    threshold are ``left_out`` instead."""
+
     table: pa.Table  # step, rollout_time, ratio, peak
     median: float
     mad: float
     threshold: float
     peaks: list[int]
+    left_out: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -80,6 +90,7 @@ class EventOutliers:
     medians: dict[str, float]  # event -> median duration, for every event judged
     spans: dict[str, int]  # event -> spans judged
     per_token: dict[str, bool]  # event -> judged per generated token (else per span)
+    unjudged: dict[str, int] = field(default_factory=dict)  # event -> spans, too few for a median
 
 
 @dataclass
@@ -103,9 +114,11 @@ class Turns:
 
 @dataclass
 class TailAdvice:
-    caps: pa.Table  # length, label, truncated_share, saved_s, saved_pct
-    oversample: pa.Table  # drop, saved_s, saved_pct, extra_requests_pct, extra_generate_s
-    total_rollout: float
+    caps: pa.Table  # length, label, truncated, truncated_share, saved_s, saved_pct
+    oversample: pa.Table  # drop, dropped, saved_s, saved_pct, extra_requests_pct, extra_time_s
+    total_rollout: float  # wall time of the steps' rollouts, overlapping steps counted once
+    requests: int = 0
+    with_tokens: int = 0  # requests with a token count: the caps' denominator
     assumptions: tuple[str, ...] = TAIL_ASSUMPTIONS
     note: str = ""
 

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pyarrow as pa
 
+from skip_plugin_profiling.evidence import MIN_COUNT, MIN_STEPS
 from skip_plugin_profiling.frame import Frame, ints
 from skip_plugin_profiling.results import Completion, RolloutTimes, Turns
 
@@ -21,7 +22,7 @@ def completion(fr: Frame) -> Completion:
     columns: dict[str, list] = {"step": [], "requests": [], "rollout_time": []}
     for q in QUANTILES:
         columns[f"t{round(q * 100)}_s"], columns[f"t{round(q * 100)}_pct"] = [], []
-    curves = {}
+    curves, backed = {}, []
     for i, step in enumerate(steps.ids.tolist()):
         done = np.sort(req.rel_end[req.step == step])
         if not len(done):
@@ -35,9 +36,11 @@ def completion(fr: Frame) -> Completion:
             at = float(np.quantile(done, q, method="inverted_cdf"))
             columns[f"t{round(q * 100)}_s"].append(at)
             columns[f"t{round(q * 100)}_pct"].append(100 * at / rollout if rollout > 0 else math.nan)
-    pct80 = columns["t80_pct"]
+        if (done > columns["t80_s"][-1]).sum() >= MIN_COUNT:  # the last 20% is the smaller side
+            backed.append(step)
+    pct80 = [p for s, p in zip(columns["step"], columns["t80_pct"], strict=True) if s in backed]
     headline = float(np.median(pct80)) if pct80 else None
-    return Completion(pa.table(columns), curves, headline)
+    return Completion(pa.table(columns), curves, headline, backed)
 
 
 def rollout_times(fr: Frame) -> RolloutTimes:
@@ -49,11 +52,12 @@ def rollout_times(fr: Frame) -> RolloutTimes:
     median = float(np.median(times))
     mad = max(float(np.median(np.abs(times - median))), MAD_FLOOR * median)
     threshold = max(median + PEAK_MADS * mad, PEAK_RATIO * median)
-    peak = times > threshold
+    above = times > threshold
+    peak = above & (len(times) >= MIN_STEPS)
     table = pa.table(
         {"step": steps.ids, "rollout_time": times, "ratio": times / median if median > 0 else times * 0, "peak": peak}
     )
-    return RolloutTimes(table, median, mad, threshold, steps.ids[peak].tolist())
+    return RolloutTimes(table, median, mad, threshold, steps.ids[peak].tolist(), steps.ids[above & ~peak].tolist())
 
 
 def chosen_step(fr: Frame, step: int | None) -> int | None:

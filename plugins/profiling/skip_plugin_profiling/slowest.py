@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from skip_plugin_profiling.evidence import MIN_COUNT
 from skip_plugin_profiling.frame import Frame, Requests
 from skip_plugin_profiling.intervals import union_length
 from skip_plugin_profiling.results import EventOutliers, SlowRequest
@@ -14,8 +15,9 @@ from skip_plugin_profiling.results import EventOutliers, SlowRequest
 #: A span is an outlier of its event when its time (per generated token where the event's spans
 #: all have ``tokens_out``) exceeds both the event's median + OUTLIER_MADS × MAD (MAD at least
 #: MAD_FLOOR × median) and OUTLIER_RATIO × median, and its duration exceeds what the median
-#: gives for it by over OUTLIER_MIN_S; judged among at least OUTLIER_MIN_SPANS spans of the event.
-OUTLIER_MADS, OUTLIER_RATIO, OUTLIER_MIN_S, OUTLIER_MIN_SPANS, MAD_FLOOR = 10.0, 5.0, 0.5, 5, 0.05
+#: gives for it by over OUTLIER_MIN_S; judged among at least OUTLIER_MIN_SPANS spans of the event
+#: (a median of fewer is no "usual": ``evidence.MIN_COUNT``).
+OUTLIER_MADS, OUTLIER_RATIO, OUTLIER_MIN_S, OUTLIER_MIN_SPANS, MAD_FLOOR = 10.0, 5.0, 0.5, MIN_COUNT, 0.05
 #: Events whose length is another's doing: a barrier wait is long because someone else was slow.
 NOT_JUDGED = ("barrier_wait",)
 _CORE = {"step", "phase", "workid", "event", "raw_event", "start", "end", "duration", "request_id", "turn"}
@@ -92,10 +94,11 @@ def event_outliers(fr: Frame) -> EventOutliers:
     """
     judged = fr.leaf & ~np.isin(fr.event, [fr.code(name) for name in NOT_JUDGED])
     duration, tokens = fr.end - fr.start, fr.column("tokens_out")
-    rows_out, usual_out, medians, counts, per_token = [], [], {}, {}, {}
+    rows_out, usual_out, medians, counts, per_token, unjudged = [], [], {}, {}, {}, {}
     for code in np.unique(fr.event[judged]).tolist():
         rows = np.flatnonzero(judged & (fr.event == code))
         if len(rows) < OUTLIER_MIN_SPANS:
+            unjudged[fr.names[code]] = len(rows)
             continue
         name, d = fr.names[code], duration[rows]
         per_token[name] = bool((tokens[rows] > 0).all())
@@ -109,7 +112,7 @@ def event_outliers(fr: Frame) -> EventOutliers:
         rows_out.append(rows[out])
         usual_out.append(usual[out])
     rows, usual = (np.concatenate(x) if x else np.zeros(0) for x in (rows_out, usual_out))
-    return EventOutliers(_outlier_table(fr, rows.astype(np.int64), usual), medians, counts, per_token)
+    return EventOutliers(_outlier_table(fr, rows.astype(np.int64), usual), medians, counts, per_token, unjudged)
 
 
 def _outlier_table(fr: Frame, rows: np.ndarray, usual: np.ndarray) -> pa.Table:

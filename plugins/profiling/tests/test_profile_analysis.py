@@ -19,6 +19,7 @@ import pytest
 from click.testing import CliRunner
 from skip_plugin_profiling import analysis
 from skip_plugin_profiling.cli import profile, register
+from skip_plugin_profiling.evidence import MIN_COUNT, MIN_STEPS
 from skip_plugin_profiling.intervals import union_length
 from skip_plugin_profiling.logs import read_logs
 from skip_plugin_profiling.report import FIGURES, write_report
@@ -259,6 +260,60 @@ def test_turns_by_index_by_count_and_distribution(tmp_path):
     assert shares == pytest.approx({1: 0.5, 2: 1 / 3, 3: 1 / 6})
 
 
+def requests_by_turns(spans, counts, step=1):
+    """``counts[k]`` requests of k turns, each turn 1 s of engine time, one rollout worker."""
+    i = 0
+    for turns, n in counts.items():
+        for _ in range(n):
+            spans.request(step, 0, f"s{step}r{i}", 0.01 * i, [(1.0, 10)] * turns, tool_s=0.0)
+            i += 1
+    spans.span(step, 0, "rollout", 0.0, 10.0)
+
+
+def test_a_turn_ratio_names_its_counts_and_leaves_out_thin_sides(tmp_path):
+    spans = Spans(tmp_path)
+    requests_by_turns(spans, {1: 3, 2: 12, 3: 61})  # 3 one-turn requests: too few to compare with
+    found = analysis.findings(read_logs(tmp_path))
+    (turns,) = [f for f in found if f.kind == "turns"]
+    assert (turns.values["turns"], turns.values["baseline_turns"]) == (3, 2) and turns.ratio == pytest.approx(1.5)
+    assert "1.5× those with 2 turns (2 s; n=61 vs n=12 requests)." in turns.text
+    (left,) = [f for f in found if f.kind == "left_out"]
+    assert left.values == {"finding": "turns", "requests": {1: 3}}
+    assert "1 turn (n=3)" in left.text and f"at least {MIN_COUNT} requests on each side" in left.text
+    assert found[-1] is left  # what was not stated comes after what was
+
+
+def test_no_turn_ratio_rests_on_three_requests(tmp_path):
+    spans = Spans(tmp_path)
+    requests_by_turns(spans, {1: 3, 3: 61})
+    found = analysis.findings(read_logs(tmp_path))
+    assert not [f for f in found if f.kind == "turns" or ("×" in f.text and "turn" in f.text)]
+    assert [f.values["finding"] for f in found if f.kind == "left_out"] == ["turns"]
+
+
+def test_a_peak_needs_enough_steps_for_its_median(tmp_path):
+    spans = Spans(tmp_path)
+    for step, seconds in ((1, 10.0), (2, 10.0), (3, 30.0)):
+        spans.worker_step(step, 0, [100.0 * step + seconds], start=100.0 * step)
+    found = analysis.findings(read_logs(tmp_path))
+    assert not [f for f in found if f.kind == "peak"]
+    (left,) = [f for f in found if f.kind == "left_out" and f.values["finding"] == "peak"]
+    assert left.values["left_out"] == [3] and "step 3 (3.0×)" in left.text and f"fewer than {MIN_STEPS}" in left.text
+
+
+def test_every_stated_ratio_names_the_counts_behind_it(run, slow_tool):
+    """Peaks, the long tail and turn ratios say n=… vs n=…; so the sentences the README quotes."""
+    found = {f.kind: f for f in analysis.findings(run)}
+    assert "(n=1 vs n=8 steps; threshold" in found["peak"].text
+    first, last = found["long_tail"].values["requests"]  # the 80% and the 20%: ties at the 80% point go first
+    assert first + last == 640 and last >= 8 * MIN_COUNT and found["long_tail"].values["left_out_steps"] == 0
+    assert f"remaining 50% (median over 8 steps; n={first} vs n={last} requests)." in found["long_tail"].text
+    small = analysis.findings(read_logs(slow_tool))  # 7 requests: no long tail to speak of
+    (left,) = [f for f in small if f.kind == "left_out"]
+    assert left.values["finding"] == "long_tail" and "The long tail is not stated" in left.text
+    assert not [f for f in small if f.kind == "long_tail"]
+
+
 def test_tail_advisor_on_a_hand_made_case(tmp_path):
     spans = Spans(tmp_path)
     # 0.1 s per generated token everywhere; r4's 1000 tokens make the step last 100 s.
@@ -273,10 +328,65 @@ def test_tail_advisor_on_a_hand_made_case(tmp_path):
     assert cap["saved_s"] == pytest.approx(70.0) and cap["saved_pct"] == pytest.approx(70.0)
     assert {r["label"] for r in advice.caps.to_pylist()} >= {"p50", "p99", "given"}
     (over,) = advice.oversample.to_pylist()
-    # drop 25%: the step ends when 3 of 4 requests are done (30 s); 1/3 more requests, 1/3 more generation.
+    # drop 25%: the step ends when 3 of 4 requests are done (30 s); 1/3 more requests stretch the 100 s
+    # with an engine call running by 1/3 (the calls run side by side: 160 s of them, 100 s of wall time).
     assert over["saved_s"] == pytest.approx(70.0) and over["extra_requests_pct"] == pytest.approx(100 / 3)
-    assert over["extra_generate_s"] == pytest.approx(160.0 / 3)
+    assert over["dropped"] == 1 and over["extra_time_s"] == pytest.approx(100.0 / 3)
     assert any("throughput" in a for a in advice.assumptions)
+
+
+def test_tail_advisor_estimates_on_the_timeline_not_on_summed_spans(tmp_path):
+    """Two steps of 16 s, 50 requests at once on each of two workers: 1600 s of summed spans."""
+    spans = Spans(tmp_path)
+    for step in (1, 2):
+        offset = 100.0 * step
+        for w in range(2):
+            for r in range(50):
+                took, tokens = (15.0, 1500) if r == 0 else (4.0 + 0.1 * r, 100)  # a long answer holds each worker
+                spans.request(step, w, f"s{step}w{w}r{r}", offset, [(took, tokens)], tool_s=1.0 if r == 0 else 0.0)
+            spans.span(step, w, "rollout", offset, offset + 16.0)
+    advice = analysis.tail_advisor(read_logs(tmp_path), lengths=[500], drops=(0.2,))
+    (over,) = advice.oversample.to_pylist()
+    summed = 2 * 2 * (15.0 + sum(4.0 + 0.1 * r for r in range(1, 50)))  # what the old estimate multiplied
+    assert advice.total_rollout == pytest.approx(32.0) and summed > 40 * advice.total_rollout
+    assert over["extra_time_s"] == pytest.approx(0.25 * 2 * 15.0)  # engine calls ran 15 s per step
+    assert over["extra_time_s"] <= 0.25 * advice.total_rollout
+    # dropping the slowest 20 of each step's 100: the step ends with its 80th request, at 8 s
+    assert over["dropped"] == 40 and over["saved_s"] == pytest.approx(2 * (16.0 - 8.0))
+    for row in [*advice.caps.to_pylist(), over]:
+        assert 0 <= row["saved_s"] <= advice.total_rollout and row["saved_pct"] <= 100
+    (cap,) = [r for r in advice.caps.to_pylist() if r["length"] == 500]
+    # each step's two answers of 1500 tokens, capped at 500, end at 6 s: the step's last then ends at 8.9 s
+    assert cap["truncated"] == 4 and cap["saved_s"] == pytest.approx(2 * (16.0 - 8.9))
+
+
+def test_overlapping_steps_are_saved_once(tmp_path):
+    """An async schedule rolls out step 2 while step 1 still runs: cutting step 1's tail saves
+    nothing while step 2's window covers that time."""
+    spans = Spans(tmp_path)
+    for r in range(10):  # step 1 over [0, 20]: r0 ends at 20 s, the others by 6.4 s
+        spans.request(1, 0, f"a{r}", 0.5 * r, [(20.0 if r == 0 else 1.0 + 0.1 * r, 10)], tool_s=0.0)
+    for r in range(10):  # step 2 over [5, 30]: its requests end at 21, 22, ... 30 s
+        spans.request(2, 0, f"b{r}", 5.0 + 0.5 * r, [(16.0 + 0.5 * r, 10)], tool_s=0.0)
+    advice = analysis.tail_advisor(read_logs(tmp_path), drops=(0.1,))
+    assert advice.total_rollout == pytest.approx(30.0)  # [0, 20] and [5, 30] on the wall clock, not 20 + 25
+    (over,) = advice.oversample.to_pylist()
+    # dropping each step's slowest request: step 1 would end at 5.8 s (14.2 s earlier, but step 2 runs
+    # then), step 2 at 29 s: 1 s off the timeline, not 15.2 s
+    assert over["dropped"] == 2 and over["saved_s"] == pytest.approx(1.0)
+    assert over["extra_time_s"] == pytest.approx(30.0 / 9)  # generation covered all 30 s
+
+
+def test_a_requests_concurrent_engine_calls_take_their_time_once(tmp_path):
+    """Two calls of one request side by side (parallel sampling): 1000 tokens in 10 s of wall
+    time, so cutting 500 tokens saves 5 s, not the 10 s that 20 s of summed calls would say."""
+    spans = Spans(tmp_path)
+    request = spans.span(1, 0, "request", 0.0, 10.0, request_id="r", turns=1)
+    for _ in range(2):
+        spans.span(1, 0, "generate", 0.0, 10.0, parent=request, request_id="r", turn=1, tokens_out=500)
+    advice = analysis.tail_advisor(read_logs(tmp_path), lengths=[500], drops=())
+    (cap,) = [r for r in advice.caps.to_pylist() if r["length"] == 500]
+    assert advice.total_rollout == pytest.approx(10.0) and cap["saved_s"] == pytest.approx(5.0)
 
 
 class ArticleLogger:

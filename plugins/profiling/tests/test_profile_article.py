@@ -188,4 +188,7 @@ def test_report_md_names_them(article, tmp_path):
     assert "0.0 s" not in md and "async_rollout_request_complete" not in findings
     slowest = md.split(f"## Slowest requests of step {PEAK_STEP}", 1)[1].split("\n## ", 1)[0]
     assert SLOW_REWARD[0] in slowest and "Event outliers" in slowest
+    flagged = result.outliers.table.num_rows
+    assert f"Spans flagged: {flagged}." in slowest and f"span: {flagged}" not in slowest  # a count, named as one
+    assert "`usual` is the time the event's median gives the span" in slowest
     assert (tmp_path / "workers.png").stat().st_size > 1000 and (tmp_path / "index.html").exists()
