@@ -7,7 +7,6 @@ padding under test are the real ones.
 
 import asyncio
 import threading
-import time
 
 import pytest
 import torch
@@ -354,6 +353,25 @@ def test_a_weight_update_with_interrupt_continues_requests_in_flight_with_the_ne
         k: v + 0.01 * torch.randn_like(v)
         for k, v in AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict().items()
     }
+    # The engine's 5th forward pass waits until the update has paused the engine: the requests
+    # of that wave are running when the pause lands, whatever the machine's load.
+    pausing, reached = threading.Event(), threading.Event()
+    pause = backend.pause
+
+    async def observed_pause():
+        pausing.set()  # the pause takes effect before the event loop sees the held pass end
+        await pause()
+
+    backend.pause = observed_pause
+    passes = []
+
+    def hold_the_fifth_pass(module, args, output):
+        passes.append(1)
+        if len(passes) == 5:
+            reached.set()
+            assert pausing.wait(120)
+
+    backend.model.register_forward_hook(hold_the_fifth_pass)
     rolled = {}
     worker = threading.Thread(
         target=lambda: rolled.setdefault(
@@ -361,8 +379,7 @@ def test_a_weight_update_with_interrupt_continues_requests_in_flight_with_the_ne
         )
     )
     worker.start()
-    while backend.stats.forward_passes < 5:
-        time.sleep(0.005)
+    assert reached.wait(120)
     loop.update_weights(new_weights, version=1, interrupt=True)
     worker.join(120)
     loop.shutdown()
@@ -370,7 +387,7 @@ def test_a_weight_update_with_interrupt_continues_requests_in_flight_with_the_ne
     cut = batch.non_tensor_batch["interruptions"] > 0
     assert cut.any()
     assert (batch.non_tensor_batch["min_weight_version"][cut] == 0).all()
-    assert (batch.non_tensor_batch["max_weight_version"] == 1).any()
+    assert (batch.non_tensor_batch["max_weight_version"][cut] == 1).all()  # continued with the new weights
     assert "abort" not in set(batch.non_tensor_batch["finish_reason"])
 
 
