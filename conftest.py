@@ -90,9 +90,9 @@ def umask(request):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """The embedded default model and tokenizer, built once per session with a token warm-up."""
-    from skip_plugin_arithmetic.task import ArithmeticTask
+    from skip_plugin_arithmetic.task import ArithmeticOptions, ArithmeticTask
 
-    options = {"train_size": 64, "val_size": 8, "warmup_steps": 5}
+    options = ArithmeticOptions(train_size=64, val_size=8, warmup_steps=5)
     return ArithmeticTask().prepare(tmp_path_factory.mktemp("embedded"), options, progress=False).model_path
 
 

@@ -14,7 +14,8 @@ from skip_core import Batch, SkipManager, hookimpl
 from skip_core.config import Namespace
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = ROOT / "configs"
+# The configs skip-plugin-trainer ships; `--config-dir CONFIGS` searches them first, as a user directory.
+CONFIGS = ROOT / "plugins" / "trainer" / "skip_plugin_trainer" / "configs"
 # The small embedded task every test that rolls out or trains uses: seconds, not minutes.
 SMALL = [
     "task.train_size=64",

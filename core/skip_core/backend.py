@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -59,7 +59,6 @@ class Generation:
     token_ids: list[int]
     log_probs: list[float]
     finish_reason: FinishReason
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
 
 class RolloutBackend(ABC):
@@ -94,23 +93,24 @@ class RolloutBackend(ABC):
         raise NotImplementedError(f"rollout backend {type(self).__name__} cannot interrupt generation")
 
 
-def create_backend(name: str, config: Any) -> RolloutBackend:
-    """Build the backend named by ``rollout.backend``, or fail naming what is installed."""
+def create_backend(name: str, sections: Any, model_dir: Path) -> RolloutBackend:
+    """Build the backend named by ``rollout.backend`` on ``model_dir``, with the options it reads
+    from ``sections`` (the run's validated ``skip_core.sections.Sections``)."""
     from skip_core.plugins import registry
 
-    factory = backend_factory(name, registry().backends)
-    return factory(config)
+    return backend_factory(name, registry().backends)(sections, model_dir)
 
 
 def backend_factory(name: str, installed: Mapping[str, Callable]) -> Callable:
+    """The factory of the backend named by ``rollout.backend``, or a ConfigError naming what is installed."""
     return lookup("rollout.backend", "backend", name, installed)
 
 
-def check_backend(name: str, config: Any, installed: Mapping[str, Callable]) -> None:
+def check_backend(name: str, sections: Any, installed: Mapping[str, Callable]) -> None:
     """Fail before any worker starts on an unknown backend, bad options or a missing device."""
     check = getattr(backend_factory(name, installed), "check", None)
     if check is not None:
-        check(config)
+        check(sections)
 
 
 def local_model_dir(path: Any) -> Path:

@@ -36,13 +36,6 @@ class Batch:
         """Build a batch; non-tensor values that are lists become 1-d object arrays."""
         return cls(tensors, {k: _as_array(v) for k, v in (non_tensors or {}).items()}, meta_info)
 
-    @classmethod
-    def from_single_dict(cls, data: Mapping[str, Any], meta_info: Mapping | None = None) -> Batch:
-        """Split one dict into tensors and non-tensors by value type (verl's helper)."""
-        tensors = {k: v for k, v in data.items() if isinstance(v, torch.Tensor)}
-        others = {k: v for k, v in data.items() if not isinstance(v, torch.Tensor)}
-        return cls.from_dict(tensors, others, meta_info)
-
     def check_consistency(self) -> None:
         sizes = {f"batch[{k!r}]": len(v) for k, v in self.batch.items() if _check_tensor(k, v)}
         for key, value in self.non_tensor_batch.items():

@@ -7,15 +7,16 @@ later inside a training step reads raw config.
 
 from __future__ import annotations
 
+import difflib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator
 
 # What this repository's plugin distributions provide, and where each lives in it: an error
-# about a missing role, backend or profiler names the distribution and how to install it from
+# about a missing role, backend or config section names the distribution and how to install it from
 # a clone. Nothing is published to a package index, and only what the repository has is listed.
 SHIPPED = {
     ("role", "rollout"): "plugins/rollout",
@@ -32,7 +33,11 @@ SHIPPED = {
     ("command", "rollout"): "plugins/trainer",
     ("command", "profile"): "plugins/profiling",
     ("command", "cache import-verl"): "plugins/verl",
-    ("profiler", "profiling"): "plugins/profiling",
+    ("section", "profiling"): "plugins/profiling",
+    ("section", "async_training"): "plugins/fully_async",
+    ("section", "rollout.hf"): "plugins/hf",
+    ("section", "rollout.engine_kwargs.vllm"): "plugins/vllm",
+    ("section", "rollout.engine_kwargs.sglang"): "plugins/sglang",
 }
 
 
@@ -46,6 +51,7 @@ def install_hint(kind: str, name: str) -> str:
 
 
 M = TypeVar("M", bound=BaseModel)
+MISSING = "???"
 T = TypeVar("T")
 
 
@@ -79,12 +85,15 @@ class RoleConfig(BaseModel):
 
 def parse_section(model: type[M], key: str, raw: Any) -> M:
     """Validate one config section, turning pydantic's report into one line naming the key."""
+    raw = to_container(raw)
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{key}: expected a mapping of settings, got {raw!r}")
+    # "???" is OmegaConf's mark of a mandatory value nobody set: pydantic then reports it missing.
+    given = {k: v for k, v in raw.items() if not is_hydra_marker(k) and v != MISSING}
     try:
-        return model.model_validate({k: v for k, v in raw.items() if not is_hydra_marker(k)})
+        return model.model_validate(given)
     except ValidationError as exc:
         raise ConfigError(_one_line(key, model, exc)) from None
 
@@ -101,7 +110,7 @@ def _one_line(key: str, model: type[BaseModel], exc: ValidationError) -> str:
     for part in first["loc"]:
         loc += f"[{part}]" if isinstance(part, int) else f".{part}"
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"{loc}: {_expectation(first, _owner(model, first['loc']))}{more}"
+    return f"{loc}: {_expectation(first, _owner(model, first['loc']), loc)}{more}"
 
 
 _EXPECTED = {
@@ -133,11 +142,14 @@ def _integral(annotation: Any) -> bool:
 _BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
 
 
-def _expectation(error: dict, model: type[BaseModel]) -> str:
+def _expectation(error: dict, model: type[BaseModel], loc: str) -> str:
     kind = error["type"]
     if kind == "extra_forbidden":
-        allowed = ", ".join(sorted(model.model_fields))
-        return f"unknown key (allowed: {allowed})"
+        return unknown_key(loc, model.model_fields)
+    if kind == "missing":
+        return "required, and not set"
+    if kind == "string_too_short":
+        return f"expected at least {error['ctx']['min_length']} character, got {error['input']!r}"
     if kind == "value_error":  # a validator's own message already says what is allowed
         return str(error["ctx"]["error"])
     if kind == "literal_error":
@@ -150,6 +162,15 @@ def _expectation(error: dict, model: type[BaseModel]) -> str:
     else:
         expected = _EXPECTED.get(kind, error["msg"].lower()).removeprefix("expected ")
     return f"expected {expected}, got {error['input']!r}"
+
+
+def unknown_key(key: str, allowed: Iterable[str]) -> str:
+    """What follows ``key: `` when ``key`` names nothing: the keys allowed there and the closest one."""
+    parent, _, name = key.rpartition(".")
+    allowed = sorted(allowed)
+    close = difflib.get_close_matches(name, allowed, n=1)
+    hint = f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
+    return f"unknown key (allowed: {', '.join(allowed) or 'none'}){hint}"
 
 
 def select(config: Any, dotted: str) -> Any:

@@ -39,12 +39,26 @@ def skip_register_roles(register):
 
 
 @hookspec
+def skip_register_sections(register):
+    """Declare config sections: call ``register(key, model)`` with a dotted key and a pydantic model.
+
+    ``register("async_training", AsyncTraining)`` makes ``async_training`` a section of every run
+    config, validated by ``AsyncTraining`` once at the start of a run with every other declared
+    section (``skip_core.sections.parse_sections``); factories and hooks then receive the
+    validated ``Sections`` and read ``sections[AsyncTraining]``. The model's fields and
+    defaults are also the Hydra defaults of that section, so each of its keys can be overridden
+    on the command line and no other can.
+    """
+
+
+@hookspec
 def skip_register_backends(register):
     """Register rollout backends: call ``register(name, factory)``.
 
-    ``factory(config) -> skip_core.backend.RolloutBackend`` builds an engine from the
-    ``rollout`` config section; ``rollout.backend=<name>`` selects it. A factory with a
-    ``check(config)`` method gets it called in the driver first (``check_backend``).
+    ``factory(sections, model_dir) -> skip_core.backend.RolloutBackend`` builds an engine on the
+    model in ``model_dir`` with the options of its declared section; ``rollout.backend=<name>``
+    selects it. A factory with a ``check(sections)`` method gets it called in the driver first
+    (``check_backend``), before any worker starts or the model exists.
     """
 
 
@@ -52,7 +66,7 @@ def skip_register_backends(register):
 def skip_register_schedules(register):
     """Register trainer schedules: call ``register(name, factory)``.
 
-    ``factory(config) -> skip_core.schedule.Schedule``; ``trainer.schedule=<name>`` selects it.
+    ``factory(sections) -> skip_core.schedule.Schedule``; ``trainer.schedule=<name>`` selects it.
     """
 
 
@@ -106,11 +120,11 @@ def skip_register_commands(cli):
 
 
 @hookspec
-def skip_span_sinks(config, worker):
+def skip_span_sinks(sections, worker):
     """Return a ``skip_core.spans.SpanSink`` to receive this process's spans, or ``None``.
 
     Called by ``skip_core.spans.configure`` once per process (the trainer driver with
-    ``worker=-1``, each rollout worker with its rank) with the whole run config. Sinks are
+    ``worker=-1``, each rollout worker with its rank) with the run's validated ``Sections``. Sinks are
     resolved once and then called directly: a hook call per span would cost more than the
     span itself.
     """

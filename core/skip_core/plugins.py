@@ -79,9 +79,9 @@ class Registry:
         self.provider: dict[tuple[str, str], str] = {}
 
     def __getattr__(self, kind: str) -> dict[str, Any]:
-        if kind.startswith("_"):
-            raise AttributeError(kind)
-        return self.kinds.get(kind, {})
+        if kind.startswith("_") or kind not in self.kinds:
+            raise AttributeError(f"no registration kind {kind!r} (kinds: {', '.join(sorted(self.kinds)) or 'none'})")
+        return self.kinds[kind]
 
 
 def registry() -> Registry:

@@ -21,7 +21,6 @@ class Role:
     """
 
     name: str
-    description: str = ""
     online_step: bool = False
     config: type[RoleConfig] = RoleConfig
 

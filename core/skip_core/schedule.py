@@ -53,6 +53,11 @@ class StepRecord:
 class Run(Protocol):
     """What a trainer offers its schedule."""
 
+    #: Prompts per training step (``data.train_batch_size``) and per optimizer step
+    #: (``actor.ppo_mini_batch_size``, which divides it): what a streaming schedule gathers per update.
+    train_batch_size: int
+    ppo_mini_batch_size: int
+
     def steps(self) -> range:
         """The training steps still to run: after the last checkpoint, up to the run's total."""
 

@@ -178,17 +178,13 @@ def _owner(method: Any) -> Any:
     return getattr(method, "__self__", method)
 
 
-def configure(config: Any, worker: int) -> list[SpanSink]:
-    """Ask the installed plugins for this process's sinks (``worker``: rollout rank, -1 driver)."""
-    from skip_core.config import ConfigError, install_hint, select
+def configure(sections: Any, worker: int) -> list[SpanSink]:
+    """Ask the installed plugins for this process's sinks, given the run's validated
+    ``skip_core.sections.Sections`` (``worker``: rollout rank, -1 driver)."""
     from skip_core.plugins import load_plugins
 
     close()
-    sinks = [s for s in load_plugins().hook.skip_span_sinks(config=config, worker=worker) if s is not None]
-    if not sinks and select(config, "profiling.enable") is True:
-        raise ConfigError(
-            f"profiling.enable is true but no installed plugin records spans: {install_hint('profiler', 'profiling')}"
-        )
+    sinks = [s for s in load_plugins().hook.skip_span_sinks(sections=sections, worker=worker) if s is not None]
     for sink in sinks:
         attach(sink)
     return sinks

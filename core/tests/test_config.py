@@ -21,7 +21,8 @@ from skiptests import ROOT, run_config
         ({"steps": [1, -2]}, "skip.rollout.steps[1]: expected an integer >= 0, got -2"),
         (
             {"stpes": [1]},
-            "skip.rollout.stpes: unknown key (allowed: action, dump_dir, enable, on_prompt_mismatch, steps)",
+            "skip.rollout.stpes: unknown key (allowed: action, dump_dir, enable, on_prompt_mismatch, steps); "
+            "did you mean skip.rollout.steps?",
         ),
         (
             {"on_prompt_mismatch": "ignore"},
@@ -66,10 +67,13 @@ def test_hydra_target_markers_of_verl_configs_are_ignored(tmp_path):
     config["skip"]["_target_"] = "verl.utils.skip.config.SkipManagerConfig"
     config["skip"]["rollout"]["_target_"] = "verl.utils.skip.config.RolloutSkipConfig"
     SkipManager.init(config)
+    assert list(SkipManager.stores()) == ["rollout"]
 
 
 def test_unknown_disabled_role_is_ignored(tmp_path):
-    SkipManager.init({"skip": {"reward": {"enable": False, "whatever": 1}}})
+    rollout = run_config(tmp_path)["skip"]["rollout"]
+    SkipManager.init({"skip": {"reward": {"enable": False, "whatever": 1}, "rollout": rollout}})
+    assert list(SkipManager.stores()) == ["rollout"]
 
 
 def test_namespace_reads_verl_keys():
@@ -144,6 +148,8 @@ def test_hydra_overrides_work_as_in_the_design_doc(tmp_path):
     assert list(config.skip.rollout.steps) == [1, 2, 3, 10]
     assert list(config.skip.async_rollout.steps) == list(range(1, 129))
     SkipManager.init(config)
+    (store,) = SkipManager.stores().values()
+    assert store.directory.is_relative_to(tmp_path / "dump")
 
     with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
         bad = compose(config_name="job", overrides=["skip.rollout.enable=True", "skip.rollout.action=cahce"])

@@ -37,13 +37,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from skip_core.config import ConfigError
+from pydantic import ConfigDict, NonNegativeInt, PositiveInt
 from skip_core.files import replacing
+from skip_plugin_trainer.settings import TaskConfig
 from skip_plugin_trainer.tasks import Task, TaskAssets
 
 DATA_SOURCE = "arithmetic"
-OPTIONS = {"seed": (0, 0), "train_size": (2000, 1), "val_size": (64, 1), "warmup_steps": (350, 0)}
-"""Each option's default and smallest allowed value."""
 
 _OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 _ANSWER = re.compile(r"Answer:\s*(-?\d+)(?![.,]?\d)")
@@ -160,20 +159,14 @@ def score(response: str, ground_truth: str) -> float:
     return float(bool(answers) and answers[-1] == ground_truth.strip())
 
 
-def parse_options(options: Any) -> dict[str, int]:
-    """The task options with defaults filled in; a bad value is a ``ConfigError`` naming ``task.<key>``."""
-    options = {} if options is None else options
-    if not isinstance(options, Mapping):
-        raise ConfigError(f"task: expected a mapping of options, got {options!r}")
-    parsed = {}
-    for key, (default, least) in OPTIONS.items():
-        value = options.get(key)
-        if value is None:
-            value = default
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ConfigError(f"task.{key}: expected an integer >= {least}, got {value!r}")
-        parsed[key] = value
-    return parsed
+class ArithmeticOptions(TaskConfig):
+    """The ``task`` section of ``arithmetic``: its options are in the module docstring."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    seed: NonNegativeInt = 0
+    train_size: PositiveInt = 2000
+    val_size: PositiveInt = 64
+    warmup_steps: NonNegativeInt = 350
 
 
 def write_parquet(table_rows: list[Mapping[str, Any]], path: Path) -> None:
@@ -190,28 +183,26 @@ class ArithmeticTask(Task):
     name = "arithmetic"
     data_sources = (DATA_SOURCE,)
 
-    def check_options(self, options: Mapping[str, Any]) -> None:
-        parse_options(options)
+    Options = ArithmeticOptions
 
-    def prepare(self, directory: Path, options: Any, progress: bool = True) -> TaskAssets:
-        settings = parse_options(options)
+    def prepare(self, directory: Path, options: ArithmeticOptions, progress: bool = True) -> TaskAssets:
         directory = Path(directory)
         data = directory / "data"
         files = {}
         for split in ("train", "val"):
             files[split] = data / f"{split}.parquet"
             if not files[split].exists():
-                write_parquet(rows(split, settings[f"{split}_size"], settings["seed"]), files[split])
+                write_parquet(rows(split, getattr(options, f"{split}_size"), options.seed), files[split])
         model = directory / "model"
         if not model.exists():
-            self._build_model(model, settings, progress)
+            self._build_model(model, options, progress)
         return TaskAssets(train_files=[files["train"]], val_files=[files["val"]], model_path=model)
 
-    def _build_model(self, target: Path, settings: dict[str, int], progress: bool) -> None:
+    def _build_model(self, target: Path, options: ArithmeticOptions, progress: bool) -> None:
         from skip_plugin_arithmetic import tiny_model
         from skip_plugin_arithmetic.calculator import SCHEMA
 
-        seed, steps = settings["seed"], settings["warmup_steps"]
+        seed, steps = options.seed, options.warmup_steps
         log = target.parent / "build.log"
         if progress:
             print(f"building the embedded default's model in {target}: {steps} warm-up steps (progress in {log})")

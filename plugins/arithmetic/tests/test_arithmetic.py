@@ -6,12 +6,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from omegaconf import OmegaConf
-from skip_core.config import ConfigError
+from skip_core.config import ConfigError, parse_section
 from skip_core.plugins import registry
 from skip_plugin_arithmetic import task as arithmetic
 from skip_plugin_arithmetic import tiny_model
 from skip_plugin_arithmetic.calculator import SCHEMA, evaluate
-from skip_plugin_arithmetic.task import ArithmeticTask, expression_of, parse_options, rows, score
+from skip_plugin_arithmetic.task import ArithmeticOptions, ArithmeticTask, expression_of, rows, score
 from skip_plugin_trainer.rollout.chat import ChatFormat
 from skip_plugin_trainer.rollout.tools import HermesParser
 from skiptests import assert_umask_modes
@@ -108,33 +108,42 @@ def test_score_reads_negative_answers():
     assert score("Answer: 42", "-42") == 0.0
 
 
-def test_options_default_and_validate():
-    assert parse_options(None) == {"seed": 0, "train_size": 2000, "val_size": 64, "warmup_steps": 350}
-    node = OmegaConf.create({"name": "arithmetic", "dir": "runs/x", "train_size": 10, "seed": None})
-    assert parse_options(node)["train_size"] == 10
-    assert parse_options(node)["seed"] == 0
-    with pytest.raises(ConfigError, match=r"task\.val_size: expected an integer >= 1, got 0"):
-        parse_options({"val_size": 0})
-    with pytest.raises(ConfigError, match=r"task\.warmup_steps: expected an integer >= 0, got 'many'"):
-        parse_options({"warmup_steps": "many"})
-    with pytest.raises(ConfigError, match=r"task: expected a mapping"):
-        parse_options("arithmetic")
+def test_options_default_and_validate_naming_the_key():
+    assert ArithmeticOptions().model_dump() == {
+        "name": None,
+        "dir": "runs/embedded",
+        "seed": 0,
+        "train_size": 2000,
+        "val_size": 64,
+        "warmup_steps": 350,
+    }
+    options = parse_section(ArithmeticOptions, "task", OmegaConf.create({"name": "arithmetic", "train_size": 10}))
+    assert (options.train_size, options.seed, options.name) == (10, 0, "arithmetic")
+    with pytest.raises(ConfigError, match=r"^task\.val_size: expected an integer > 0, got 0$"):
+        parse_section(ArithmeticOptions, "task", {"val_size": 0})
+    with pytest.raises(ConfigError, match=r"^task\.warmup_steps: expected an integer, got 'many'$"):
+        parse_section(ArithmeticOptions, "task", {"warmup_steps": "many"})
+    allowed = r"\(allowed: dir, name, seed, train_size, val_size, warmup_steps\)"
+    with pytest.raises(
+        ConfigError, match=rf"^task\.trian_size: unknown key {allowed}; did you mean task\.train_size\?$"
+    ):
+        parse_section(ArithmeticOptions, "task", {"trian_size": 10})
 
 
 def test_prepare_is_idempotent_and_rebuilds_only_what_is_missing(tiny_model_dir, tmp_path):
     directory = tmp_path / "task"
     shutil.copytree(tiny_model_dir.parent, directory)
-    assets = ArithmeticTask().prepare(directory, {}, progress=False)
+    assets = ArithmeticTask().prepare(directory, ArithmeticOptions(), progress=False)
     assert assets.model_path == directory / "model"
     paths = [*assets.train_files, *assets.val_files, *assets.model_path.iterdir()]
     stamps = {path: path.stat().st_mtime_ns for path in paths}
 
-    assert ArithmeticTask().prepare(directory, {}, progress=False) == assets
+    assert ArithmeticTask().prepare(directory, ArithmeticOptions(), progress=False) == assets
     assert {path: path.stat().st_mtime_ns for path in paths} == stamps
 
     (val,) = assets.val_files
     val.unlink()
-    ArithmeticTask().prepare(directory, {"val_size": 3}, progress=False)
+    ArithmeticTask().prepare(directory, ArithmeticOptions(val_size=3), progress=False)
     assert len(pq.read_table(val).to_pylist()) == 3
     assert {path: path.stat().st_mtime_ns for path in paths if path != val} == {
         path: stamp for path, stamp in stamps.items() if path != val
@@ -184,7 +193,7 @@ def test_default_warm_up_leaves_room_for_rl(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.perf_counter()
-    assets = ArithmeticTask().prepare(tmp_path, {}, progress=False)
+    assets = ArithmeticTask().prepare(tmp_path, ArithmeticOptions(), progress=False)
     built = time.perf_counter() - started
     model = AutoModelForCausalLM.from_pretrained(assets.model_path)
     tokenizer = AutoTokenizer.from_pretrained(assets.model_path)

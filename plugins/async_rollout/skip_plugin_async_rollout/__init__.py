@@ -11,11 +11,7 @@ import re
 import numpy as np
 from skip_core import Role, hookimpl
 
-ROLE = Role(
-    name="async_rollout",
-    description="cache/replay streamed samples by feed order (sample_{epoch}_{index})",
-    online_step=True,
-)
+ROLE = Role(name="async_rollout", online_step=True)
 
 SAMPLE_ID = re.compile(r"(?:uid_)?sample_(\d+)_(\d+)")
 EXPECTED = "sample_{epoch}_{index} or uid_sample_{epoch}_{index} with non-negative integers"

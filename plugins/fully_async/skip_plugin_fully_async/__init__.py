@@ -6,7 +6,14 @@ from skip_core import hookimpl
 
 
 @hookimpl
-def skip_register_schedules(register):
-    from skip_plugin_fully_async.schedule import FullyAsync
+def skip_register_sections(register):
+    from skip_plugin_fully_async.schedule import AsyncTraining
 
-    register("fully_async", FullyAsync.from_config)
+    register("async_training", AsyncTraining)
+
+
+@hookimpl
+def skip_register_schedules(register):
+    from skip_plugin_fully_async.schedule import AsyncTraining, FullyAsync
+
+    register("fully_async", lambda sections: FullyAsync(sections[AsyncTraining]))

@@ -14,12 +14,10 @@ sync waits for them to finish. ``staleness_threshold=0``, ``trigger_parameter_sy
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, NonNegativeFloat, PositiveInt
 from skip_core.batch import Batch
-from skip_core.config import ConfigError, parse_section, select
 from skip_core.schedule import Run, Schedule, StepRecord
 
 from skip_plugin_fully_async.rollouter import Rollouter
@@ -39,30 +37,20 @@ class AsyncTraining(BaseModel):
 class FullyAsync(Schedule):
     overlapped = True
 
-    def __init__(self, settings: AsyncTraining, required: int) -> None:
-        self.settings, self.required = settings, required
-        s = settings
-        self.limit = int(required * (1 + s.staleness_threshold) * s.trigger_parameter_sync_step)
+    def __init__(self, settings: AsyncTraining) -> None:
+        self.settings = settings
         self._stale_total = 0
         self._param_version = 0  # the step whose weights the engines hold
-
-    @classmethod
-    def from_config(cls, config: Any) -> FullyAsync:
-        settings = parse_section(AsyncTraining, "async_training", select(config, "async_training"))
-        mini, batch = select(config, "actor.ppo_mini_batch_size"), select(config, "data.train_batch_size")
-        if settings.require_batches is None:
-            if not mini or batch % mini:
-                raise ConfigError(
-                    "async_training.require_batches: set it (data.train_batch_size / ppo_mini_batch_size)"
-                )
-            return cls(settings, batch)
-        return cls(settings, mini * settings.require_batches)
 
     def fit(self, run: Run) -> None:
         steps = run.steps()
         if not steps:
             return
-        rollouter = Rollouter(run, self.limit, len(steps) * self.required, run.resume_state())
+        s = self.settings
+        # Prompts per update; ppo_mini_batch_size divides train_batch_size (checked with the settings).
+        required = run.ppo_mini_batch_size * (s.require_batches or run.train_batch_size // run.ppo_mini_batch_size)
+        limit = int(required * (1 + s.staleness_threshold) * s.trigger_parameter_sync_step)
+        rollouter = Rollouter(run, limit, len(steps) * required, run.resume_state())
         run.sync_weights()
         self._param_version = steps[0] - 1
         rollouter.start()
@@ -73,7 +61,7 @@ class FullyAsync(Schedule):
                 with run.step(step) as record:
                     started = time.perf_counter()
                     with record.timed("gen"):  # the trainer's wait for samples
-                        samples = rollouter.take(self.required)
+                        samples = rollouter.take(required)
                     batch = self._batch(samples)
                     run.train(batch, record)
                     since_sync = (since_sync + 1) % self.settings.trigger_parameter_sync_step

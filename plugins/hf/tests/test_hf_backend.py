@@ -12,6 +12,9 @@ import transformers
 from omegaconf import OmegaConf
 from skip_core.backend import Generation, SamplingParams, create_backend
 from skip_core.config import ConfigError
+from skip_core.plugins import registry
+from skip_core.sections import Sections, parse_sections
+from skip_plugin_hf.config import HFConfig
 from skip_plugin_hf.engine import HFBackend
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -75,7 +78,7 @@ def other_hf_model_dir(tmp_path_factory) -> Path:
 
 
 def make_backend(model_dir: Path, **hf) -> HFBackend:
-    return create_backend("hf", {"model_path": str(model_dir), "hf": {"device": "cpu", **hf}})
+    return create_backend("hf", Sections(HFConfig(device="cpu", **hf)), model_dir)
 
 
 def generate(backend: HFBackend, prompt: list[int], **params) -> list[Generation]:
@@ -420,15 +423,15 @@ def test_a_sleeping_backend_refuses_requests_until_woken(tiny_hf_model_dir):
 # -- config and registration ---------------------------------------------------------------
 
 
-def test_the_plugin_registers_the_hf_backend():
-    from skip_core.plugins import registry
-
+def test_the_plugin_registers_the_hf_backend_and_its_section():
     assert "hf" in registry().backends
+    assert registry().sections["rollout.hf"] is HFConfig
 
 
-def test_config_arrives_as_omegaconf(tiny_hf_model_dir):
-    config = OmegaConf.create({"model_path": str(tiny_hf_model_dir), "hf": {"dtype": "bfloat16", "max_batch_size": 3}})
-    backend = create_backend("hf", config)
+def test_the_section_arrives_validated_from_the_run_config(tiny_hf_model_dir):
+    """Through the declared section, as a run hands it over: the run config's ``rollout.hf``."""
+    config = OmegaConf.create({"rollout": {"hf": {"device": "cpu", "dtype": "bfloat16", "max_batch_size": 3}}})
+    backend = create_backend("hf", parse_sections(config, registry().sections), tiny_hf_model_dir)
     assert backend.model.dtype == torch.bfloat16
     assert backend.options.max_batch_size == 3
 
@@ -436,19 +439,21 @@ def test_config_arrives_as_omegaconf(tiny_hf_model_dir):
 @pytest.mark.parametrize(
     ("hf", "message"),
     [
-        ({"device": "tpu"}, "rollout.hf.device: expected one of auto, cpu, cuda, got 'tpu'"),
-        ({"dtype": "int8"}, "rollout.hf.dtype: expected one of float32, bfloat16, float16, got 'int8'"),
-        ({"max_batch_size": 0}, "rollout.hf.max_batch_size: expected an integer >= 1, got 0"),
-        ({"batch": 8}, "rollout.hf.batch: unknown key (allowed: device, dtype, max_batch_size)"),
+        ({"device": "tpu"}, "rollout.hf.device: expected 'auto', 'cpu' or 'cuda', got 'tpu'"),
+        ({"dtype": "int8"}, "rollout.hf.dtype: expected 'float32', 'bfloat16' or 'float16', got 'int8'"),
+        ({"max_batch_size": 0}, "rollout.hf.max_batch_size: expected an integer > 0, got 0"),
+        (
+            {"max_batch": 8},
+            "rollout.hf.max_batch: unknown key (allowed: device, dtype, max_batch_size); "
+            "did you mean rollout.hf.max_batch_size?",
+        ),
     ],
 )
-def test_bad_hf_settings_name_the_key(tiny_hf_model_dir, hf, message):
-    with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
-        create_backend("hf", {"model_path": str(tiny_hf_model_dir), "hf": hf})
+def test_bad_hf_settings_name_the_key(hf, message):
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        parse_sections({"rollout": {"hf": hf}}, registry().sections)
 
 
 def test_a_model_path_that_is_not_a_model_directory_names_model_path(tmp_path):
-    with pytest.raises(ConfigError, match=r"^model\.path: None is not a local Hugging Face model directory"):
-        create_backend("hf", {})
     with pytest.raises(ConfigError, match=r"^model\.path: .* \(no config\.json\)"):
-        create_backend("hf", {"model_path": str(tmp_path)})
+        make_backend(tmp_path)

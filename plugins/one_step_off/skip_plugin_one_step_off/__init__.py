@@ -9,4 +9,4 @@ from skip_core import hookimpl
 def skip_register_schedules(register):
     from skip_plugin_one_step_off.schedule import OneStepOff
 
-    register("one_step_off", lambda config: OneStepOff())
+    register("one_step_off", lambda sections: OneStepOff())

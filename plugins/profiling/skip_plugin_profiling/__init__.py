@@ -9,14 +9,18 @@ from __future__ import annotations
 import os
 
 from skip_core import hookimpl
-from skip_core.config import parse_section, select, to_container
 
 from skip_plugin_profiling.config import ProfilingConfig
 
 
 @hookimpl
-def skip_span_sinks(config, worker):
-    settings = parse_section(ProfilingConfig, "profiling", to_container(select(config, "profiling")))
+def skip_register_sections(register):
+    register("profiling", ProfilingConfig)
+
+
+@hookimpl
+def skip_span_sinks(sections, worker):
+    settings = sections[ProfilingConfig]
     if not settings.enable:
         return None
     from skip_plugin_profiling.recorder import Recorder

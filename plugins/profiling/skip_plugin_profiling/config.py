@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveFloat
 class ProfilingConfig(BaseModel):
     """``profiling``: off by default; ``steps`` empty records every trainer step (and validation)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
     enable: bool = False
     dir: str = "./runs/profile"
     steps: list[NonNegativeInt] = []

@@ -10,10 +10,7 @@ trainer step. The function must return a ``skip_core.Batch``. The ``cache`` and
 
 from skip_core import Role, hookimpl
 
-ROLE = Role(
-    name="ref_log_prob",
-    description="skip role 'ref_log_prob': replay the reference policy's log-probs on chosen trainer steps",
-)
+ROLE = Role(name="ref_log_prob")
 
 
 @hookimpl

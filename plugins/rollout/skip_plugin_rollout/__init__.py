@@ -7,10 +7,7 @@ The cache and repeat actions come from core's default implementation of the hook
 
 from skip_core import Role, hookimpl
 
-ROLE = Role(
-    name="rollout",
-    description="cache/replay whole generation batches on trainer steps (SkipManager.set_step)",
-)
+ROLE = Role(name="rollout")
 
 
 @hookimpl

@@ -4,21 +4,31 @@ Select it with ``rollout.backend=sglang``; engine options live under ``rollout.e
 (see the README). Without CUDA or without SGLang, the driver refuses the backend before any work.
 """
 
-from skip_core import hookimpl
+import os
 
-from skip_plugin_sglang.options import parse_options
+from skip_core import hookimpl
+from skip_core.backend import local_model_dir
+
+from skip_plugin_sglang.options import SGLangOptions, check_machine
 
 
 class SGLangFactory:
     """``check`` runs in the driver before any worker starts; the call builds an engine in a worker."""
 
-    def check(self, config):
-        parse_options(config, with_model=False)
+    def check(self, sections):
+        if "RAY_ADDRESS" not in os.environ:  # on a cluster, the workers' machines are not the driver's
+            check_machine()
 
-    def __call__(self, config):
+    def __call__(self, sections, model_dir):
         from skip_plugin_sglang.engine import SGLangBackend
 
-        return SGLangBackend(parse_options(config))
+        check_machine()
+        return SGLangBackend(sections[SGLangOptions], local_model_dir(model_dir))
+
+
+@hookimpl
+def skip_register_sections(register):
+    register("rollout.engine_kwargs.sglang", SGLangOptions)
 
 
 @hookimpl

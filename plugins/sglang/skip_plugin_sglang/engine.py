@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import threading
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from skip_core.backend import FinishReason, Generation, RolloutBackend, SamplingParams
@@ -23,11 +24,11 @@ FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "
 class SGLangBackend(RolloutBackend):
     """``engine`` is SGLang's ``Engine``, public for inspection and benchmarks."""
 
-    def __init__(self, options: SGLangOptions):
+    def __init__(self, options: SGLangOptions, model_dir: Path):
         import sglang
 
         self.options = options
-        self.engine = sglang.Engine(**options.engine_args())
+        self.engine = sglang.Engine(**options.engine_args(model_dir))
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="skip-sglang", daemon=True).start()
         self._calls = itertools.count()  # SGLang ids must be unique; a request's turns reuse ours

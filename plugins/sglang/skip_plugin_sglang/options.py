@@ -1,17 +1,13 @@
-"""The ``rollout.engine_kwargs.sglang`` settings, checked once, and where the engine can run."""
+"""The ``rollout.engine_kwargs.sglang`` section, and where the engine can run."""
 
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
-from skip_core.backend import local_model_dir
-from skip_core.config import ConfigError, parse_section, select
-
-KEY = "rollout.engine_kwargs.sglang"
+from skip_core.config import ConfigError
 
 
 class SGLangOptions(BaseModel):
@@ -30,28 +26,18 @@ class SGLangOptions(BaseModel):
     enable_memory_saver: bool = True
     disable_cuda_graph: bool = False
     random_seed: int = 0
-    model_dir: Path | None = Field(None, exclude=True)
 
-    def engine_args(self) -> dict[str, Any]:
-        """Keyword arguments of ``sglang.Engine``."""
+    def engine_args(self, model_dir: Path) -> dict[str, Any]:
+        """Keyword arguments of ``sglang.Engine`` for the model in ``model_dir``."""
         args = self.model_dump(exclude_none=True)
-        return {**args, "model_path": str(self.model_dir), "log_level": "warning"}
+        return {**args, "model_path": str(model_dir), "log_level": "warning"}
 
 
-def parse_options(config: Any, with_model: bool = True) -> SGLangOptions:
-    """Read ``rollout.engine_kwargs.sglang`` (and ``rollout.model_path``); refuse a machine without
-    CUDA or without SGLang in one line. ``with_model=False`` is the driver's check, made before the
-    task has built the model; on a Ray cluster (``RAY_ADDRESS``) the driver's machine is not the
-    workers', so only the worker checks for CUDA and SGLang."""
-    options = parse_section(SGLangOptions, KEY, select(config, "engine_kwargs.sglang"))
-    if not with_model and "RAY_ADDRESS" in os.environ:
-        return options
+def check_machine() -> None:
+    """Refuse, in one line, a machine without CUDA or without SGLang."""
     _require_cuda()
     if importlib.util.find_spec("sglang") is None:
         raise ConfigError("rollout.backend: 'sglang' needs SGLang: pip install 'skip-plugin-sglang[gpu]'")
-    if not with_model:
-        return options
-    return options.model_copy(update={"model_dir": local_model_dir(select(config, "model_path"))})
 
 
 def _require_cuda() -> None:

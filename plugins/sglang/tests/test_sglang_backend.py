@@ -7,19 +7,20 @@ import asyncio
 import pytest
 import torch
 from click.testing import CliRunner
-from omegaconf import OmegaConf
 from skip_core.backend import SamplingParams, check_backend, create_backend
 from skip_core.cli import cli
 from skip_core.config import ConfigError
 from skip_core.plugins import registry
+from skip_core.sections import Sections, parse_sections
+from skip_plugin_hf.config import HFConfig
 from skiptests import CONFIGS, SMALL
 
 GPU = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not GPU, reason="SGLang needs a CUDA GPU; this machine has none")
 
 
-def section(model_dir, **engine):
-    return OmegaConf.create({"model_path": str(model_dir), "engine_kwargs": {"sglang": engine}})
+def sections(**engine) -> Sections:
+    return parse_sections({"rollout": {"engine_kwargs": {"sglang": engine}}}, registry().sections)
 
 
 def test_skip_plugins_lists_the_backend():
@@ -37,17 +38,18 @@ def test_without_cuda_skip_rollout_fails_before_any_work_in_one_line(tmp_path):
     assert len(result.output.strip().splitlines()) == 1 and not fresh.exists()
 
 
-def test_a_bad_engine_option_is_named_first(tmp_path):
-    with pytest.raises(ConfigError, match=r"rollout\.engine_kwargs\.sglang\.mem_fraction: unknown key"):
-        check_backend("sglang", section(tmp_path, mem_fraction=0.4), registry().backends)
+def test_a_bad_engine_option_is_named_with_the_closest_key():
+    closest = r"; did you mean rollout\.engine_kwargs\.sglang\.mem_fraction_static\?$"
+    with pytest.raises(ConfigError, match=r"^rollout\.engine_kwargs\.sglang\.mem_fraction: unknown key .*" + closest):
+        sections(mem_fraction=0.4)
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir):
     pytest.importorskip("sglang", reason="SGLang is not installed: pip install 'skip-plugin-sglang[gpu]'")
     loop = asyncio.new_event_loop()
-    sglang = create_backend("sglang", section(tiny_model_dir, dtype="float32"))
-    hf = create_backend("hf", OmegaConf.create({"model_path": str(tiny_model_dir), "hf": {"device": "cuda"}}))
+    sglang = create_backend("sglang", sections(dtype="float32"), tiny_model_dir)
+    hf = create_backend("hf", Sections(HFConfig(device="cuda")), tiny_model_dir)
     yield loop.run_until_complete, sglang, hf
     loop.run_until_complete(sglang.shutdown())
     loop.run_until_complete(hf.shutdown())
@@ -84,9 +86,10 @@ def test_pause_returns_partial_output(engines):
     assert partial.finish_reason == "abort" and len(partial.log_probs) == len(partial.token_ids) < 2000
 
 
-def test_on_a_ray_cluster_the_driver_leaves_the_device_check_to_the_workers(tmp_path, monkeypatch):
-    """The driver of a cluster run may sit on a machine without a GPU while the workers have one."""
+def test_on_a_ray_cluster_the_driver_leaves_the_device_check_to_the_workers(monkeypatch):
+    """The driver of a cluster run may sit on a machine without a GPU while the workers have one;
+    the options are still checked there."""
     monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
-    check_backend("sglang", section(tmp_path), registry().backends)
-    with pytest.raises(ConfigError, match=r"engine_kwargs\.sglang\.tp_size"):
-        check_backend("sglang", section(tmp_path, tp_size=0), registry().backends)
+    check_backend("sglang", sections(), registry().backends)
+    with pytest.raises(ConfigError, match=r"^rollout\.engine_kwargs\.sglang\.tp_size: expected an integer > 0, got 0$"):
+        sections(tp_size=0)

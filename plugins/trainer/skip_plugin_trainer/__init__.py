@@ -19,11 +19,19 @@ def skip_add_hookspecs(add):
 
 
 @hookimpl
+def skip_register_sections(register):
+    from skip_plugin_trainer.settings import SECTIONS
+
+    for key, model in SECTIONS.items():
+        register(key, model)
+
+
+@hookimpl
 def skip_register_schedules(register):
     register("sync", _sync)
 
 
-def _sync(config):
+def _sync(sections):
     from skip_plugin_trainer.train.sync import SyncSchedule
 
     return SyncSchedule()

@@ -1,4 +1,4 @@
-"""``skip run`` and ``skip rollout``: Hydra apps over ``configs/run.yaml`` and ``configs/rollout.yaml``."""
+"""``skip run`` and ``skip rollout``: Hydra apps over the shipped ``run.yaml`` and ``rollout.yaml``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from rich.console import Console
 
 # Pipes and CI logs get 80 columns by default, which would fold every path; give them room.
 console = Console(width=None if Console().is_terminal else 160)
+#: The package holding the shipped configs, for Hydra (``pkg://``).
+SHIPPED = "skip_plugin_trainer.configs"
 
 
 def register(cli: click.Group) -> None:
@@ -34,9 +36,10 @@ def _run(config: Any, console: Console) -> None:
 
 
 def hydra_job(name: str, help: str, job: Callable[[Any, Console], Any]) -> click.Command:
-    """A command composing ``configs/<name>.yaml`` with Hydra overrides, as the design doc shows.
+    """A command composing ``<name>.yaml`` with Hydra overrides, as the design doc shows.
 
-    Relative paths in configs can start from ``${config_dir:}``, the directory of the configs.
+    The configs ship inside this package (``skip_plugin_trainer/configs``), so the command works
+    from any directory; ``--config-dir`` puts a user's directory in front of them.
     """
 
     @click.command(name=name, help=help, context_settings={"ignore_unknown_options": True})
@@ -44,12 +47,12 @@ def hydra_job(name: str, help: str, job: Callable[[Any, Console], Any]) -> click
     @click.option(
         "--config-dir",
         type=click.Path(file_okay=False, path_type=Path),
-        default=Path("configs"),
-        show_default=True,
-        help="Directory holding the Hydra configs.",
+        default=None,
+        help="A directory of your own Hydra configs, searched before the shipped ones (whose run.yaml and "
+        "rollout.yaml a config there can include with `defaults: [run, _self_]`).",
     )
     @click.option("--config-name", default=name, show_default=True)
-    def command(overrides: tuple[str, ...], config_dir: Path, config_name: str) -> None:
+    def command(overrides: tuple[str, ...], config_dir: Path | None, config_name: str) -> None:
         from skip_core.config import ConfigError
 
         config = compose_config(config_dir, config_name, overrides)
@@ -61,42 +64,75 @@ def hydra_job(name: str, help: str, job: Callable[[Any, Console], Any]) -> click
     return command
 
 
-def compose_config(config_dir: Path, config_name: str, overrides: tuple[str, ...]) -> Any:
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf
+def compose_config(config_dir: Path | None, config_name: str, overrides: tuple[str, ...]) -> Any:
+    """The config ``config_name`` from ``config_dir`` (searched first) or the shipped configs.
+
+    Hydra finds a primary config only in its primary source: the user's directory is that
+    source when it holds ``config_name``, and the shipped configs come after it on the search
+    path (for its ``defaults``); otherwise the shipped configs are, and the user's directory follows.
+    """
+    from hydra import compose, initialize_config_dir, initialize_config_module
+    from hydra.errors import HydraException, MissingConfigException
     from skip_core.hydra_defaults import register_hydra_defaults
 
-    if not (config_dir / f"{config_name}.yaml").is_file():
-        raise click.UsageError(f"no config {config_name}.yaml in {config_dir.resolve()} (set --config-dir)")
     register_hydra_defaults()
-    OmegaConf.register_new_resolver("config_dir", lambda: str(config_dir.resolve()), replace=True)
-    with initialize_config_dir(config_dir=str(config_dir.resolve()), version_base=None):
+    if config_dir is not None and not config_dir.is_dir():
+        raise click.UsageError(f"--config-dir: no such directory {str(config_dir.resolve())!r}")
+    if config_dir is not None and (config_dir / f"{config_name}.yaml").is_file():
+        context = initialize_config_dir(config_dir=str(config_dir.resolve()), version_base=None)
+        search = [f"hydra.searchpath=[pkg://{SHIPPED}]"]
+    else:
+        context = initialize_config_module(SHIPPED, version_base=None)
+        search = [f"hydra.searchpath=[file://{config_dir.resolve()}]"] if config_dir is not None else []
+    with context:
         try:
-            return compose(config_name=config_name, overrides=list(overrides))
+            return compose(config_name=config_name, overrides=[*search, *overrides])
+        except MissingConfigException:
+            raise click.UsageError(_no_config(config_dir, config_name)) from None
         except HydraException as exc:
-            unknown = _unknown_key(exc, compose(config_name=config_name))
+            unknown = _unknown_key(exc, compose(config_name=config_name, overrides=search))
             if unknown:
                 raise click.ClickException(unknown) from None
             raise click.UsageError(str(exc)) from None
 
 
+def _no_config(config_dir: Path | None, config_name: str) -> str:
+    import importlib.resources
+
+    files = importlib.resources.files(SHIPPED).iterdir()
+    shipped = ", ".join(sorted(f.name.removesuffix(".yaml") for f in files if f.name.endswith(".yaml")))
+    where = f"{config_dir.resolve()} or " if config_dir is not None else ""
+    return f"--config-name: no {config_name}.yaml in {where}the shipped configs ({shipped})"
+
+
 def _unknown_key(exc: Exception, base: Any) -> str | None:
     """Our one-line error for an override of a key the config lacks, instead of Hydra's advice to
     add it with ``+`` (which only leads to the same error from the run's own validation)."""
-    import difflib
-
     from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+    from skip_core.config import unknown_key
 
     cause = exc.__cause__
     if not isinstance(cause, (ConfigAttributeError, ConfigKeyError)) or not cause.full_key:
         return None
-    parent_key, _, name = cause.full_key.rpartition(".")
+    parent_key = cause.full_key.rpartition(".")[0]
     parent = OmegaConf.select(base, parent_key) if parent_key else base
     if not isinstance(parent, DictConfig):
         return None
-    keys = sorted(str(key) for key in parent)
-    close = difflib.get_close_matches(name, keys, n=1)
-    hint = f"; did you mean {parent_key + '.' if parent_key else ''}{close[0]}?" if close else ""
-    return f"{cause.full_key}: unknown key (allowed: {', '.join(keys)}){hint}"
+    message = f"{cause.full_key}: {unknown_key(cause.full_key, map(str, parent))}"
+    missing = _missing_section(cause.full_key)
+    return f"{message}; {missing}" if missing else message
+
+
+def _missing_section(key: str) -> str | None:
+    """For a key of a section a plugin of this repository declares, while that plugin is not
+    installed: where the section comes from."""
+    from skip_core.config import SHIPPED as PLUGIN_FOLDERS
+    from skip_core.config import install_hint
+    from skip_core.plugins import registry
+
+    declared = registry().sections
+    for kind, section in PLUGIN_FOLDERS:
+        if kind == "section" and section not in declared and (key == section or key.startswith(f"{section}.")):
+            return f"{section} comes with a plugin that is not installed: {install_hint('section', section)}"
+    return None

@@ -1,14 +1,17 @@
-"""The settings of ``skip rollout`` and ``skip run``, validated once from the run config.
+"""The settings of ``skip rollout`` and ``skip run``: every config section, validated once.
 
-Every section the runtime reads is parsed here into a typed object at the start of the
-command, with errors naming the key (``data.train_batch_size: expected an integer > 0``);
-the rest of the runtime gets these objects and never reads raw config. The raw config still
-travels to plugins that own a section of their own (``skip`` roles, ``profiling``) and to the
-backend, whose options live under ``rollout.<backend>``.
+The trainer declares its sections here (``SECTIONS``, through ``skip_register_sections``, as any
+plugin declares its own); ``RolloutSettings.from_config`` validates every declared section of
+the run config at once (``skip_core.sections.parse_sections``, errors naming the key, what is
+allowed and the closest match), cross-checks them, and the rest of the runtime gets these typed
+objects and never reads raw config. Plugins get the same ``Sections`` and read their own.
+
+This is the lowest module of the trainer: it imports nothing else of it.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -16,70 +19,157 @@ from typing import Any, Literal
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Field,
     NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    StrictBool,
+    StrictInt,
+    StrictStr,
     field_validator,
+    model_validator,
 )
-from skip_core.config import ConfigError, Namespace, lookup, parse_section, select, to_container
+from skip_core.config import ConfigError, Namespace, lookup, parse_section, select
+from skip_core.sections import Sections, parse_sections
 
-from skip_plugin_trainer.data import DataConfig, parse_data_config
-from skip_plugin_trainer.rollout.agent_loop import LoopConfig
-from skip_plugin_trainer.train.policy import ActorConfig
-from skip_plugin_trainer.train.reward import RewardConfig
+KlType = Literal["kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3"]
 
 
-class RolloutPool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    workers: PositiveInt = 1
-    cpus_per_worker: PositiveFloat = 1
-
-
-class ActorPool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    cpus: PositiveFloat = 1
-
-
-class Resources(BaseModel):
-    """``resources``: the local Ray's CPUs (``num_cpus``, ignored when joining ``RAY_ADDRESS``)
-    and each pool's share. ``torch_threads`` sets every worker's intra-op threads; by default
-    a worker of an overlapped schedule gets its own CPUs (every worker runs at the same time),
-    and one of ``sync`` its share of both pools' CPUs among the workers that run beside it (the
-    rollout workers together, then the actor alone)."""
-
-    model_config = ConfigDict(extra="forbid")
-    num_cpus: PositiveInt | None = None
-    torch_threads: PositiveInt | None = None
-    rollout: RolloutPool = RolloutPool()
-    actor: ActorPool = ActorPool()
-
-    def threads(self, cpus: float, overlapped: bool, together: int = 1) -> int:
-        """Threads of a worker with ``cpus`` of its own, one of ``together`` that run at once."""
-        both = self.rollout.workers * self.rollout.cpus_per_worker + self.actor.cpus
-        return self.torch_threads or max(1, int(cpus if overlapped else both / together))
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class TaskConfig(BaseModel):
-    """``task``: a registered task that builds data (and a model) under ``dir``; other keys are its options."""
+    """``task``: a registered task that builds data (and a model) under ``dir``. The other keys are
+    the task's options: its ``Task.Options``, a subclass of this model, validates them."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
     name: str | None = None
     dir: str = "runs/embedded"
 
-    @property
-    def options(self) -> dict[str, Any]:
-        return dict(self.model_extra or {})
-
 
 class ModelConfig(BaseModel):
-    """``model``: a local Hugging Face model directory (the task's, when a task builds one)."""
+    """``model``: a local Hugging Face model directory (the task's, when a task builds one).
+    verl's ``model`` section has more keys; skip reads only ``path``."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
     path: str | None = None
 
 
-class RolloutCorrection(BaseModel):
+class DataConfig(BaseModel):
+    """The keys of verl's ``data`` section that shape prompts; verl's other keys are left alone."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    train_files: list[StrictStr] = []
+    val_files: list[StrictStr] = []
+    prompt_key: StrictStr = Field("prompt", min_length=1)
+    max_prompt_length: StrictInt = Field(512, gt=0)
+    max_response_length: StrictInt = Field(512, gt=0)
+    truncation: Literal["left", "right", "middle", "error"] = "error"
+    filter_overlong_prompts: StrictBool = True
+    train_batch_size: StrictInt = Field(1024, gt=0)
+    shuffle: StrictBool = True
+    seed: StrictInt = Field(0, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, values: Any) -> Any:
+        """verl's YAML writes null for "the default"."""
+        return {k: v for k, v in values.items() if v is not None} if isinstance(values, dict) else values
+
+    @field_validator("train_files", "val_files", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return [value] if isinstance(value, (str, os.PathLike)) else value
+
+
+class Sampling(_Section):
+    n: PositiveInt = 1
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+
+
+class MultiTurn(_Section):
+    """``tools_config``: the tools YAML, a path (relative to the working directory) or
+    ``pkg://<package>/<path>`` for one shipped inside an installed package."""
+
+    max_turns: PositiveInt = 4
+    tools_config: str | None = None
+    format: str = "hermes"
+    tool_timeout_s: PositiveFloat = 30.0
+
+
+class RolloutConfig(Sampling):
+    """``rollout``: the backend, sampling and the agent loop. The backend's own options are
+    sections of their own, nested here (``rollout.hf``, ``rollout.engine_kwargs.vllm``).
+
+    ``seed`` makes rollouts reproducible: each turn of each request samples with a seed derived
+    from (seed, step, prompt index, sample offset, turn). ``timeout_s`` bounds one engine call.
+    ``val_kwargs`` replaces the sampling settings for validation.
+    """
+
+    backend: str = "hf"
+    max_model_len: PositiveInt | None = None
+    seed: NonNegativeInt | None = 0
+    timeout_s: PositiveFloat = 600.0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    multi_turn: MultiTurn = MultiTurn()
+    val_kwargs: Sampling = Sampling(temperature=0.0)
+
+
+class LoopConfig(RolloutConfig):
+    """What the agent loop reads: the ``rollout`` section plus the lengths ``data`` sets."""
+
+    prompt_length: PositiveInt
+    response_length: PositiveInt
+
+    @property
+    def model_len(self) -> int:
+        total = self.prompt_length + self.response_length
+        return min(self.max_model_len or total, total)
+
+
+class RewardConfig(_Section):
+    """``reward``: which function scores responses; ``tool_rewards`` adds the tools' own rewards."""
+
+    function: str = "task"
+    tool_rewards: bool = True
+
+
+class Optim(_Section):
+    lr: PositiveFloat = 1e-5
+    weight_decay: NonNegativeFloat = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: PositiveFloat = 1e-8
+
+
+class ActorConfig(_Section):
+    """``actor``: the PPO update, with verl's key names.
+
+    ``ppo_mini_batch_size`` counts prompts per optimizer step (each with ``rollout.n``
+    samples); ``ppo_micro_batch_size`` counts samples per forward/backward pass, whose
+    gradients accumulate over the mini-batch.
+    """
+
+    ppo_mini_batch_size: PositiveInt = 16
+    ppo_micro_batch_size: PositiveInt = 16
+    ppo_epochs: PositiveInt = 1
+    clip_ratio_low: NonNegativeFloat = 0.2
+    clip_ratio_high: NonNegativeFloat = 0.2
+    clip_ratio_c: float | None = Field(3.0, gt=1)
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: NonNegativeFloat = 0.001
+    kl_loss_type: KlType = "low_var_kl"
+    grad_clip: PositiveFloat | None = 1.0
+    optim: Optim = Optim()
+
+
+class RolloutCorrection(_Section):
     """``algorithm.rollout_correction``, verl's keys: how PPO treats samples whose engine log-probs
     (the behaviour policy) differ from the trainer's, as they do when generation runs on older weights.
 
@@ -89,29 +179,26 @@ class RolloutCorrection(BaseModel):
     old / rollout, truncated at ``rollout_is_threshold``.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
     bypass_mode: bool | None = None
     rollout_is: Literal["token", "sequence"] | None = None
     rollout_is_threshold: PositiveFloat = 2.0
 
 
-class AlgorithmConfig(BaseModel):
+class AlgorithmConfig(_Section):
     """``algorithm``: the advantage estimator and the optional KL penalty in the reward."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
     adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus"] = "grpo"
     gamma: float = 1.0
     norm_adv_by_std_in_grpo: bool = True
     use_kl_in_reward: bool = False
-    kl_penalty: Literal["kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3"] = "kl"
+    kl_penalty: KlType = "kl"
     kl_coef: NonNegativeFloat = 0.001
     rollout_correction: RolloutCorrection = RolloutCorrection()
 
 
-class TrainerConfig(BaseModel):
+class TrainerConfig(_Section):
     """``trainer``: length of the run, its directory, checkpoints, validation and loggers."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
     project_name: str = "skip"
     experiment_name: str = "run"
     schedule: str = "sync"
@@ -124,33 +211,62 @@ class TrainerConfig(BaseModel):
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
     resume_from_path: str | None = None
     max_ckpt_to_keep: PositiveInt | None = None
-    logger: list[str] = ["console", "jsonl"]
+    logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = ["console", "jsonl"]
     seed: NonNegativeInt = 0
 
-    @field_validator("logger")
-    @classmethod
-    def _loggers_available(cls, value: list[str]) -> list[str]:
-        from skip_plugin_trainer.train.metrics import check_backends
 
-        check_backends(value)
-        return value
+class RolloutPool(_Section):
+    workers: PositiveInt = 1
+    cpus_per_worker: PositiveFloat = 1
+
+
+class ActorPool(_Section):
+    cpus: PositiveFloat = 1
+
+
+class Resources(_Section):
+    """``resources``: the local Ray's CPUs (``num_cpus``, ignored when joining ``RAY_ADDRESS``)
+    and each pool's share. ``torch_threads`` sets every worker's intra-op threads; by default
+    a worker of an overlapped schedule gets its own CPUs (every worker runs at the same time),
+    and one of ``sync`` its share of both pools' CPUs among the workers that run beside it (the
+    rollout workers together, then the actor alone)."""
+
+    num_cpus: PositiveInt | None = None
+    torch_threads: PositiveInt | None = None
+    rollout: RolloutPool = RolloutPool()
+    actor: ActorPool = ActorPool()
+
+    def threads(self, cpus: float, overlapped: bool, together: int = 1) -> int:
+        """Threads of a worker with ``cpus`` of its own, one of ``together`` that run at once."""
+        both = self.rollout.workers * self.rollout.cpus_per_worker + self.actor.cpus
+        return self.torch_threads or max(1, int(cpus if overlapped else both / together))
+
+
+#: The trainer's sections, declared like any plugin's (``skip_register_sections``).
+SECTIONS: dict[str, type[BaseModel]] = {
+    "task": TaskConfig,
+    "model": ModelConfig,
+    "data": DataConfig,
+    "rollout": RolloutConfig,
+    "reward": RewardConfig,
+    "actor": ActorConfig,
+    "algorithm": AlgorithmConfig,
+    "trainer": TrainerConfig,
+    "resources": Resources,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
 class RolloutSettings:
-    """What generating needs: ``task``, ``model``, ``data``, ``rollout``, ``reward``, ``output_dir``.
+    """What generating needs: every declared section (``sections``, for plugins), and typed
+    ``task`` (the named task's options), ``model``, ``data``, ``rollout`` and ``reward``."""
 
-    ``backend_section`` is the raw ``rollout`` section plus ``model_path``, for the backend's
-    factory (its own options, e.g. ``rollout.hf``, are its to validate).
-    """
-
+    sections: Sections
     task: TaskConfig
     model: ModelConfig
     data: DataConfig
     rollout: LoopConfig
     reward: RewardConfig
-    backend: str
-    backend_section: dict[str, Any]
     namespace: Namespace
     output_dir: str | None = None
 
@@ -158,14 +274,18 @@ class RolloutSettings:
     def from_config(cls, config: Any) -> RolloutSettings:
         return cls(**_rollout_fields(config))
 
+    @property
+    def backend(self) -> str:
+        return self.rollout.backend
+
     def model_path(self) -> Path:
         """The model directory, checked to be a Hugging Face model (after the task built it)."""
         path = self.model.path
-        if path is None or not (Path(path) / "config.json").is_file():
+        if path is None or not (Path(path).expanduser() / "config.json").is_file():
             raise ConfigError(
                 f"model.path: expected a local Hugging Face model directory with a config.json, got {path!r}"
             )
-        return Path(path)
+        return Path(path).expanduser()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,16 +299,15 @@ class RunSettings(RolloutSettings):
 
     @classmethod
     def from_config(cls, config: Any) -> RunSettings:
-        sections = {
-            name: parse_section(model, name, select(config, name))
-            for name, model in (
-                ("actor", ActorConfig),
-                ("algorithm", AlgorithmConfig),
-                ("trainer", TrainerConfig),
-                ("resources", Resources),
-            )
-        }
-        settings = cls(**_rollout_fields(config), **sections)
+        fields = _rollout_fields(config)
+        sections = fields["sections"]
+        settings = cls(
+            **fields,
+            actor=sections[ActorConfig],
+            algorithm=sections[AlgorithmConfig],
+            trainer=sections[TrainerConfig],
+            resources=sections[Resources],
+        )
         settings.check_sizes()
         return settings
 
@@ -206,6 +325,18 @@ class RunSettings(RolloutSettings):
         if correction.bypass_mode is not None:
             return correction.bypass_mode
         return overlapped and correction.rollout_is is None
+
+    def identity(self) -> dict[str, Any]:
+        """What a run cannot change mid-way, by key: a checkpoint records it, and resuming with
+        other values would continue one run's weights and optimizer under another's rules."""
+        fixed = {
+            "trainer.schedule": self.trainer.schedule,
+            "rollout.backend": self.rollout.backend,
+            "rollout.n": self.rollout.n,
+            "model.path": str(Path(self.model.path or "").expanduser().absolute()),
+        }
+        algorithm = self.algorithm.model_dump(mode="json", exclude={"rollout_correction"})
+        return {**fixed, **{f"algorithm.{key}": value for key, value in algorithm.items()}}
 
     def check_sizes(self) -> None:
         actor, n, batch = self.actor, self.rollout.n, self.data.train_batch_size
@@ -239,27 +370,26 @@ def _rollout_fields(config: Any) -> dict[str, Any]:
     from skip_core.backend import check_backend
     from skip_core.plugins import registry
 
-    task = parse_section(TaskConfig, "task", select(config, "task"))
-    if task.name is not None:
-        lookup("task.name", "task", task.name, registry().tasks).check_options(task.options)
-    data = parse_data_config(select(config, "data"))
-    section = dict(to_container(select(config, "rollout")) or {})
-    rollout = parse_section(
-        LoopConfig,
-        "rollout",
-        {**section, "prompt_length": data.max_prompt_length, "response_length": data.max_response_length},
-    )
-    backend = str(section.get("backend", "hf"))
-    model = parse_section(ModelConfig, "model", select(config, "model"))
-    check_backend(backend, {**section, "model_path": model.path}, registry().backends)
+    registered = registry()
+    sections = parse_sections(config, registered.sections)
+    data, rollout = sections[DataConfig], sections[RolloutConfig]
+    check_backend(rollout.backend, sections, registered.backends)
+    lengths = {"prompt_length": data.max_prompt_length, "response_length": data.max_response_length}
     return {
-        "task": task,
-        "model": model,
+        "sections": sections,
+        "task": _task(sections[TaskConfig], registered.tasks),
+        "model": sections[ModelConfig],
         "data": data,
-        "rollout": rollout,
-        "reward": parse_section(RewardConfig, "reward", select(config, "reward")),
-        "backend": backend,
-        "backend_section": {**section, "model_path": model.path},
+        "rollout": LoopConfig(**dict(rollout), **lengths),
+        "reward": sections[RewardConfig],
         "namespace": Namespace.from_config(config),
         "output_dir": select(config, "output_dir"),
     }
+
+
+def _task(section: TaskConfig, tasks: dict[str, Any]) -> TaskConfig:
+    """The ``task`` section validated by the named task's own ``Options``."""
+    if section.name is None:
+        return section
+    task = lookup("task.name", "task", section.name, tasks)
+    return parse_section(task.Options, "task", section.model_dump())

@@ -8,10 +8,13 @@ default; a user's own task registers through ``skip_register_tasks``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import ClassVar
+
+from pydantic import ConfigDict
+
+from skip_plugin_trainer.settings import TaskConfig
 
 
 @dataclass(frozen=True)
@@ -23,19 +26,26 @@ class TaskAssets:
     model_path: Path | None = None
 
 
+class NoOptions(TaskConfig):
+    """The ``task`` section of a task without options: ``name`` and ``dir`` only."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
 class Task(ABC):
     name: str
     data_sources: tuple[str, ...]
+    #: The ``task`` section of this task: a ``TaskConfig`` subclass declaring its options,
+    #: validated once at start with every other section (``extra="forbid"``, so a typo fails).
+    Options: ClassVar[type[TaskConfig]] = NoOptions
 
     @abstractmethod
-    def prepare(self, directory: Path, options: Any, progress: bool = True) -> TaskAssets:
+    def prepare(self, directory: Path, options: TaskConfig, progress: bool = True) -> TaskAssets:
         """Create whatever is missing under ``directory`` (atomically) and return the paths.
 
-        Idempotent: a second call finds everything in place and returns at once.
+        ``options`` is an instance of ``Options``. Idempotent: a second call finds everything
+        in place and returns at once.
         """
-
-    def check_options(self, options: Mapping[str, Any]) -> None:  # noqa: B027 (optional: no options to check)
-        """Raise ``ConfigError`` naming ``task.<key>`` for a bad option, before any work starts."""
 
     @abstractmethod
     def score(self, response: str, ground_truth: str) -> float:

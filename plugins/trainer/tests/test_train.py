@@ -8,7 +8,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from rich.console import Console
-from skip_core import encoding
+from skip_core import ConfigError, encoding
 from skip_core.cli import cli
 from skip_core.store import scan, verify
 from skip_plugin_trainer.commands import compose_config
@@ -105,13 +105,21 @@ def test_generate_returns_at_once_and_weights_wait_for_it(ray_session, task_dir,
         trainer.close()
 
 
-def test_a_finished_run_resumes_to_nothing_and_still_reports(ray_session, task_dir, tmp_path):
+def test_a_finished_run_says_so_in_one_line_and_a_changed_one_is_not_resumed(ray_session, task_dir, tmp_path):
     first, _ = train(task_dir, tmp_path, "trainer.total_training_steps=1", "trainer.save_freq=1")
     assert first.global_steps == 1
     second, output = train(task_dir, tmp_path, "trainer.total_training_steps=1", "trainer.save_freq=1")
-    assert second.global_steps == 1 and second.rollout.calls == 0
-    assert "resumed at step 1 from" in output
+    (line,) = output.strip().splitlines()
+    assert line.startswith("nothing to train: ") and "global_step_1 is step 1 and this run ends at step 1" in line
+    assert second.cluster.pools == [] and second.global_steps == 0  # no worker started
     assert [row["step"] for row in metrics(tmp_path / "run")] == [1]
+
+    with pytest.raises(ConfigError) as error:
+        train(task_dir, tmp_path, "trainer.total_training_steps=3", "trainer.schedule=one_step_off", "rollout.n=4")
+    message = str(error.value)
+    assert message.startswith("trainer.resume_mode: the checkpoint ") and "global_step_1" in message
+    assert "rollout.n (2 there, 4 here), trainer.schedule ('sync' there, 'one_step_off' here)" in message
+    assert message.endswith("(trainer.default_local_dir=...) or start over here (trainer.resume_mode=disable)")
 
 
 def test_two_rollout_workers_sample_what_one_samples(ray_session, task_dir, tmp_path):

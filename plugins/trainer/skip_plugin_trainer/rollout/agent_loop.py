@@ -25,7 +25,6 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt
 from skip_core import spans
 from skip_core.backend import Generation, RolloutBackend, SamplingParams
 from skip_core.batch import Batch
@@ -34,6 +33,7 @@ from skip_core.manager import SkipManager
 from skip_plugin_trainer.rollout.chat import ChatFormat
 from skip_plugin_trainer.rollout.padding import pad_requests
 from skip_plugin_trainer.rollout.tools import Tool, ToolCall, ToolParser, ToolResponse
+from skip_plugin_trainer.settings import LoopConfig, Sampling
 
 T = TypeVar("T")
 
@@ -48,47 +48,6 @@ class State(enum.Enum):
     TOOL_CALLING = "tool_calling"
     COMPLETED = "completed"
     FAILED = "failed"
-
-
-class Sampling(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    n: PositiveInt = 1
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
-
-
-class MultiTurn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    max_turns: PositiveInt = 4
-    tools_config: str | None = None
-    format: str = "hermes"
-    tool_timeout_s: PositiveFloat = 30.0
-
-
-class LoopConfig(Sampling):
-    """The ``rollout`` section as the agent loop reads it, plus lengths from ``data``.
-
-    ``seed`` makes rollouts reproducible: each turn of each request samples with a seed
-    derived from (seed, step, prompt index, sample offset, turn). ``timeout_s`` bounds one
-    engine call. ``val_kwargs`` replaces the sampling settings when ``meta_info["validate"]``.
-    """
-
-    model_config = ConfigDict(extra="ignore")
-    prompt_length: PositiveInt
-    response_length: PositiveInt
-    max_model_len: PositiveInt | None = None
-    seed: NonNegativeInt | None = 0
-    timeout_s: PositiveFloat = 600.0
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
-    multi_turn: MultiTurn = MultiTurn()
-    val_kwargs: Sampling = Sampling(temperature=0.0)
-
-    @property
-    def model_len(self) -> int:
-        total = self.prompt_length + self.response_length
-        return min(self.max_model_len or total, total)
 
 
 FinishReason = Literal["stop", "length", "max_turns"]

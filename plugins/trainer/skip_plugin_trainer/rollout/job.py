@@ -23,7 +23,7 @@ def run(config: Any, console: Console) -> Batch:
     hf_logging.disable_progress_bar()  # per-shard bars for a model that loads in milliseconds
     settings = RolloutSettings.from_config(config)
     SkipManager.init(config)
-    spans.configure(config, worker=0)
+    spans.configure(settings.sections, worker=0)
     parts = RolloutParts.from_settings(settings)
     if settings.task.name is not None:
         console.print(f"task {settings.task.name}: data and model under {settings.task.dir}")

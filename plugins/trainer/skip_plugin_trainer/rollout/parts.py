@@ -9,13 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
 from skip_core.backend import RolloutBackend, backend_factory
 
-from skip_plugin_trainer.data import DataConfig, PromptLoader, RLDataset
+from skip_plugin_trainer.data import PromptLoader, RLDataset
 from skip_plugin_trainer.rollout.agent_loop import AgentLoop
 from skip_plugin_trainer.rollout.tools import Tool, ToolParser, load_tools, tool_parser
-from skip_plugin_trainer.settings import RolloutSettings
+from skip_plugin_trainer.settings import DataConfig, RolloutSettings
 
 
 def prepare_task(settings: RolloutSettings) -> None:
@@ -24,7 +23,7 @@ def prepare_task(settings: RolloutSettings) -> None:
         return
     from skip_core.plugins import registry
 
-    registry().tasks[settings.task.name].prepare(Path(settings.task.dir), settings.task.options)
+    registry().tasks[settings.task.name].prepare(Path(settings.task.dir), settings.task)
 
 
 def load_tokenizer(settings: RolloutSettings) -> Any:
@@ -39,7 +38,7 @@ class RolloutParts:
 
     tools: dict[str, Tool]
     parser: ToolParser
-    backend: Callable[[Any], RolloutBackend]
+    backend: Callable[..., RolloutBackend]
 
     @classmethod
     def from_settings(cls, settings: RolloutSettings) -> RolloutParts:
@@ -51,8 +50,8 @@ class RolloutParts:
 
     def agent_loop(self, settings: RolloutSettings, tokenizer: Any) -> AgentLoop:
         """Start the backend on the model of ``model.path``."""
-        section = OmegaConf.create({**settings.backend_section, "model_path": str(settings.model_path())})
-        return AgentLoop(self.backend(section), tokenizer, settings.rollout, self.tools, self.parser)
+        backend = self.backend(settings.sections, settings.model_path())
+        return AgentLoop(backend, tokenizer, settings.rollout, self.tools, self.parser)
 
 
 def prompt_loader(data: DataConfig, tokenizer: Any, tools: dict[str, Tool]) -> PromptLoader:

@@ -10,6 +10,7 @@ the YAML only names registered tools, so a config file can never import code.
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import re
 from abc import ABC, abstractmethod
@@ -20,6 +21,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 from skip_core.config import ConfigError
+
+#: ``rollout.multi_turn.tools_config: pkg://<package>/<file>`` names a file shipped inside a package.
+PACKAGED = "pkg://"
 
 
 @dataclass(frozen=True)
@@ -128,7 +132,7 @@ def load_tools(path: str | Path | None) -> dict[str, Tool]:
         return {}
     import yaml
 
-    path = Path(path)
+    path = tools_file(str(path))
     if not path.is_file():
         raise ConfigError(f"rollout.multi_turn.tools_config: no such file {str(path)!r}")
     try:
@@ -139,6 +143,20 @@ def load_tools(path: str | Path | None) -> dict[str, Tool]:
             f"{path}: expected `tools: [{{name: <tool>, config: {{...}}}}]`; {' '.join(first[:3])}"
         ) from None
     return {tool.name: tool for tool in map(_build(path), spec.tools)}
+
+
+def tools_file(path: str) -> Path:
+    """The tools YAML at ``path``, relative to the working directory, or at
+    ``pkg://<package>/<file>``: shipped inside an installed package, found wherever it is installed."""
+    if not path.startswith(PACKAGED):
+        return Path(path).expanduser()
+    package, _, name = path.removeprefix(PACKAGED).partition("/")
+    try:
+        return Path(str(importlib.resources.files(package) / name))
+    except ModuleNotFoundError:
+        raise ConfigError(
+            f"rollout.multi_turn.tools_config: {path!r} is in package {package!r}, which is not installed"
+        ) from None
 
 
 def _build(path: Path):

@@ -11,12 +11,12 @@ import copy
 import math
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt
 from skip_core.batch import Batch
 
+from skip_plugin_trainer.settings import ActorConfig
 from skip_plugin_trainer.train.algorithm import (
     agg_loss,
     entropy_from_logits,
@@ -24,40 +24,6 @@ from skip_plugin_trainer.train.algorithm import (
     log_probs_from_logits,
     policy_loss,
 )
-
-KlType = Literal["kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3"]
-
-
-class Optim(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    lr: PositiveFloat = 1e-5
-    weight_decay: NonNegativeFloat = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: PositiveFloat = 1e-8
-
-
-class ActorConfig(BaseModel):
-    """``actor``: the PPO update, with verl's key names.
-
-    ``ppo_mini_batch_size`` counts prompts per optimizer step (each with ``rollout.n``
-    samples); ``ppo_micro_batch_size`` counts samples per forward/backward pass, whose
-    gradients accumulate over the mini-batch.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-    ppo_mini_batch_size: PositiveInt = 16
-    ppo_micro_batch_size: PositiveInt = 16
-    ppo_epochs: PositiveInt = 1
-    clip_ratio_low: NonNegativeFloat = 0.2
-    clip_ratio_high: NonNegativeFloat = 0.2
-    clip_ratio_c: float | None = Field(3.0, gt=1)
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: NonNegativeFloat = 0.001
-    kl_loss_type: KlType = "low_var_kl"
-    grad_clip: PositiveFloat | None = 1.0
-    optim: Optim = Optim()
 
 
 class Policy:

@@ -13,22 +13,15 @@ from functools import cache
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
 from skip_core.config import ConfigError, lookup
+
+from skip_plugin_trainer.settings import RewardConfig
 
 if TYPE_CHECKING:
     import torch
     from skip_core.batch import Batch
 
 RewardFn = Callable[[str, str, Any, Mapping[str, Any]], float]
-
-
-class RewardConfig(BaseModel):
-    """``reward``: which function scores responses; ``tool_rewards`` adds the tools' own rewards."""
-
-    model_config = ConfigDict(extra="forbid")
-    function: str = "task"
-    tool_rewards: bool = True
 
 
 def score_by_task(data_source: str, solution_str: str, ground_truth: Any, extra_info: Mapping | None = None) -> float:

@@ -1,8 +1,9 @@
 """The main job: a GRPO run on Ray whose work a schedule puts in order (``skip run``).
 
 ``Trainer`` checks every setting and input before it starts anything (a bad key fails in a
-second, not after the model loaded), then owns the workers, the data position, checkpoints
-and metrics. It offers a ``Schedule`` exactly ``skip_core.schedule.Run``: start a
+second, not after the model loaded), then owns the data position, checkpoints and metrics;
+Ray and the workers are its ``Cluster`` (``workers.py``), which checkpoint it resumes from is
+``resume.py``'s to say. It offers a ``Schedule`` exactly ``skip_core.schedule.Run``: start a
 generation (a future), train on a batch, sync weights, validate and checkpoint when due, so
 the same trainer runs colocated (``sync``) or overlapped schedules.
 """
@@ -11,11 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import os
-import threading
 import time
-import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future, wait
 from pathlib import Path
@@ -28,16 +26,18 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from skip_core import spans
 from skip_core.batch import Batch
-from skip_core.config import ConfigError, lookup, to_container
+from skip_core.config import ConfigError, lookup
+from skip_core.loop_thread import LoopThread
 from skip_core.manager import SkipManager
 from skip_core.schedule import Schedule, StepRecord
 
 from skip_plugin_trainer.data import PromptLoader, RLDataset, collate
 from skip_plugin_trainer.rollout.parts import RolloutParts, load_tokenizer, prepare_task, prompt_loader
 from skip_plugin_trainer.settings import RunSettings
-from skip_plugin_trainer.train.checkpoint import CheckpointManager, capture_rng, restore_rng
+from skip_plugin_trainer.train.checkpoint import Checkpoint, CheckpointManager, capture_rng, restore_rng
 from skip_plugin_trainer.train.metrics import (
     Tracking,
+    check_backends,
     data_metrics,
     plot,
     summary_table,
@@ -45,18 +45,17 @@ from skip_plugin_trainer.train.metrics import (
     timing_metrics,
 )
 from skip_plugin_trainer.train.phases import Phases
-from skip_plugin_trainer.train.policy import Policy
+from skip_plugin_trainer.train.resume import find_checkpoint, nothing_left, trainer_state
 from skip_plugin_trainer.train.reward import Rewarder
-from skip_plugin_trainer.train.workers import Pool, RolloutGroup, RolloutWorker
+from skip_plugin_trainer.train.workers import Cluster
 
 # What the rollout workers need of a prompt batch; the rest stays with the trainer.
 GEN_TENSORS = ("input_ids", "attention_mask", "position_ids")
 GEN_NON_TENSORS = ("raw_prompt_ids", "raw_prompt", "tools_kwargs")
-STREAMED_PER_WORKER = 256
 
 
 class Trainer:
-    """The workers, data position, checkpoints and metrics of one run; a ``Schedule`` orders its work.
+    """The data position, checkpoints and metrics of one run; a ``Schedule`` orders its work.
 
     Implements ``skip_core.schedule.Run``: ``steps``, ``step``, ``prompts``, ``generate``,
     ``train``, ``sync_weights`` and ``after_update`` are all a schedule uses.
@@ -67,9 +66,10 @@ class Trainer:
 
         self.config, self.console = config, console
         self.settings = s = RunSettings.from_config(config)
+        check_backends(s.trainer.logger)
         torch.manual_seed(s.trainer.seed)
         schedules = registry().schedules
-        self.schedule: Schedule = lookup("trainer.schedule", "schedule", s.trainer.schedule, schedules)(config)
+        self.schedule: Schedule = lookup("trainer.schedule", "schedule", s.trainer.schedule, schedules)(s.sections)
         self.parts = RolloutParts.from_settings(s)
         SkipManager.init(config)
         prepare_task(s)
@@ -78,22 +78,27 @@ class Trainer:
         self.rewarder = Rewarder(s.reward, self.tokenizer)
         self._check_sources()
         self.total_steps = s.trainer.total_training_steps or len(self.loader) * s.trainer.total_epochs
+        self.train_batch_size, self.ppo_mini_batch_size = s.data.train_batch_size, s.actor.ppo_mini_batch_size
         self.run_dir = Path(os.path.expanduser(s.trainer.default_local_dir))
         self.checkpoints = CheckpointManager(self.run_dir, keep=s.trainer.max_ckpt_to_keep)
+        self.resume_from: Checkpoint | None = find_checkpoint(s, self.checkpoints)
         self.global_steps = 0
-        self.pools: list[Pool] = []
+        self.cluster = Cluster()
         self.tracking: Tracking | None = None
-        self.rollout: RolloutGroup | None = None
         # Generations run on their own event loop: a schedule may train meanwhile, and streamed
         # samples (many at once) wait on the rollout workers without a thread each.
-        self._loop = asyncio.new_event_loop()
-        threading.Thread(target=self._loop.run_forever, name="skip-generate", daemon=True).start()
+        self._generations = LoopThread("skip-generate")
         self._in_flight: set[Future] = set()
         # Weight versions: the step whose update the actor / the rollout engines hold.
         self._actor_version = self._rollout_version = 0
         self._loader_states: dict[int, dict | None] = {}
         self._resumed_schedule_state: dict | None = None
-        spans.configure(config, worker=-1)
+        spans.configure(s.sections, worker=-1)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the checkpoint this run would resume from is already at or past its last step."""
+        return self.resume_from is not None and self.resume_from.step >= self.total_steps
 
     def _data(self) -> tuple[PromptLoader, RLDataset | None]:
         data = self.settings.data
@@ -119,39 +124,14 @@ class Trainer:
     # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
-        """Join or start Ray, place the pools, load the model and restore the last checkpoint."""
+        """Join or start Ray, place the pools, load the model and restore the checkpoint, if any."""
         s = self.settings
-        if not ray.is_initialized():
-            address = os.environ.get("RAY_ADDRESS")
-            options = {"address": address} if address else {"num_cpus": s.resources.num_cpus}
-            ray.init(**options, include_dashboard=False, log_to_driver=True)
+        self.cluster.start(s, self.schedule.overlapped)
+        self.rollout, self.actor = self.cluster.rollout, self.cluster.actor
+        self.phases = Phases(s, self.actor, self.rewarder, self.schedule.overlapped)
+        if self.resume_from is not None:
+            self._resume(self.resume_from)
         resolved = OmegaConf.to_container(self.config, resolve=True) if OmegaConf.is_config(self.config) else None
-        pools = [
-            ("rollout", "resources.rollout", s.resources.rollout.workers, s.resources.rollout.cpus_per_worker),
-            ("actor", "resources.actor", 1, s.resources.actor.cpus),
-        ]
-        Pool.check_capacity(pools)
-        for pool in pools:  # each joins self.pools at once: close() frees those placed before a failure
-            self.pools.append(Pool(*pool))
-        rollout, actor = self.pools
-        config = resolved or to_container(self.config)
-        overlapped = self.schedule.overlapped
-        threads = s.resources.threads(rollout.cpus, overlapped, together=s.resources.rollout.workers)
-        # Many concurrent calls per worker: streamed samples each wait in one; the engine batches them.
-        workers = rollout.spawn(RolloutWorker, s, config, threads, Pool.RANK, concurrency=STREAMED_PER_WORKER)
-        self.rollout = RolloutGroup(workers)
-        (self.actor,) = actor.spawn(
-            Policy,
-            str(s.model_path()),
-            s.actor,
-            samples_per_prompt=s.rollout.n,
-            temperature=s.rollout.temperature,
-            use_reference=s.use_reference,
-            seed=s.trainer.seed,
-            threads=s.resources.threads(actor.cpus, overlapped),
-        )
-        self.phases = Phases(s, self.actor, self.rewarder, overlapped)
-        self._resume()
         self.tracking = Tracking(
             s.trainer.logger,
             self.run_dir,
@@ -176,24 +156,12 @@ class Trainer:
     def close(self) -> None:
         """Wait for generations and cache dumps, stop the workers and free the pools; safe after a failed start."""
         wait(list(self._in_flight))  # a generation still running finishes before its workers go
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._generations.stop()
         SkipManager.flush()
         if self.tracking is not None:
             self.tracking.close()
-        self._stop_rollout()
-        for pool in self.pools:
-            pool.close()
-        self.pools.clear()
+        self.cluster.close()
         spans.close()
-
-    def _stop_rollout(self) -> None:
-        """Let the rollout workers stop their engines and write their profiles before the pool kills them."""
-        if self.rollout is None or not self.pools:  # never started, or already closed
-            return
-        try:
-            self.rollout.shutdown()
-        except Exception as exc:  # a worker that already died; the pool still frees the rest
-            warnings.warn(f"rollout workers did not shut down cleanly: {exc!r}", RuntimeWarning, stacklevel=2)
 
     # -- what a schedule uses (skip_core.schedule.Run) ------------------------------------
 
@@ -244,7 +212,7 @@ class Trainer:
             prompts.meta_info.pop(key, None)
         if sample_id is None:
             self._loader_states[step] = state
-        future = _submit(self._loop, self._generate(prompts, step, sample_id))
+        future = self._generations.submit(self._generate(prompts, step, sample_id))
         self._in_flight.add(future)
         future.add_done_callback(self._in_flight.discard)
         return future
@@ -316,29 +284,20 @@ class Trainer:
         """Whether a ``*_freq`` event falls on ``step`` (the last step always counts)."""
         return every > 0 and (step % every == 0 or step == self.total_steps)
 
-    def _resume(self) -> None:
-        mode = self.settings.trainer.resume_mode
-        if mode == "disable":
-            return
-        if mode == "resume_path":
-            path = Path(self.settings.trainer.resume_from_path)
-            checkpoint = CheckpointManager(path.parent).load(_step_of(path))
-        else:
-            checkpoint = self.checkpoints.latest()
-        if checkpoint is None:
-            return
+    def _resume(self, checkpoint: Checkpoint) -> None:
         self.loader.load_state_dict(checkpoint.trainer["loader"])
         ray.get(self.actor.load_checkpoint_state.remote(checkpoint.model, checkpoint.optimizer))
-        self.global_steps = self._actor_version = int(checkpoint.trainer["global_steps"])
+        self.global_steps = self._actor_version = checkpoint.step
         self._resumed_schedule_state = checkpoint.trainer.get("schedule")
         self.sync_weights()
         restore_rng(checkpoint.rng)
+        self.resume_from = None  # its tensors are the actor's now; the driver need not hold them
         self.console.print(f"resumed at step {self.global_steps} from {checkpoint.path}")
 
     def save_checkpoint(self, record: StepRecord) -> Path:
         model, optimizer = ray.get(self.actor.checkpoint_state.remote())
         loader = record.loader_state or self._loader_states.get(record.step) or self.loader.state_dict()
-        state = {"global_steps": record.step, "loader": loader, "schedule": record.schedule_state}
+        state = trainer_state(self.settings, record.step, loader, record.schedule_state)
         return self.checkpoints.save(record.step, model, optimizer, state, capture_rng())
 
     def resume_state(self) -> dict | None:
@@ -365,19 +324,16 @@ class Trainer:
         self.console.print(f"metrics, checkpoints and {chart.name} in {self.run_dir}")
 
 
-def _step_of(path: Path) -> int:
-    name = path.name
-    if not name.startswith("global_step_") or not name[len("global_step_") :].isdigit():
-        raise ConfigError(f"trainer.resume_from_path: expected a global_step_<k> directory, got {str(path)!r}")
-    return int(name[len("global_step_") :])
-
-
 def run(config: Any, console: Console) -> Trainer:
     """The ``skip run`` job: check everything, train, report; workers are freed on any exit."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     trainer = Trainer(config, console)
+    if trainer.finished:
+        trainer.close()
+        console.print(nothing_left(trainer.resume_from, trainer.total_steps), soft_wrap=True)
+        return trainer
     console.print(
         f"training {trainer.total_steps} steps: {trainer.settings.train_batch_size} prompts x "
         f"{trainer.settings.rollout.n} samples per step, schedule {trainer.settings.trainer.schedule}, "
@@ -390,20 +346,3 @@ def run(config: Any, console: Console) -> Trainer:
         trainer.close()
     trainer.report()
     return trainer
-
-
-def _submit(loop: asyncio.AbstractEventLoop, coro: Any) -> Future:
-    """Run ``coro`` on ``loop`` in a copy of the caller's context (its span and step), as a
-    ``concurrent.futures.Future`` the caller may wait on from any thread."""
-    context, future = contextvars.copy_context(), Future()
-
-    def settle(task: asyncio.Task) -> None:
-        if task.cancelled():
-            future.cancel()
-        elif task.exception() is not None:
-            future.set_exception(task.exception())
-        else:
-            future.set_result(task.result())
-
-    loop.call_soon_threadsafe(lambda: loop.create_task(coro, context=context).add_done_callback(settle))
-    return future

@@ -1,4 +1,4 @@
-"""The run's Ray actors: rollout workers and the policy worker, each in its resource pool.
+"""The run's Ray side: Ray itself, and the rollout workers and the policy worker, each in its resource pool.
 
 A pool is a Ray placement group of one bundle per worker, so a run either gets all the
 resources it was configured with or fails at start, naming the key to change. Nothing here
@@ -7,7 +7,9 @@ assumes one machine: with ``RAY_ADDRESS`` set, the bundles land wherever the clu
 
 from __future__ import annotations
 
+import os
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,20 +22,21 @@ from skip_core.config import ConfigError
 from skip_core.manager import SkipManager
 
 from skip_plugin_trainer.rollout.padding import merge_rollout_stats
-from skip_plugin_trainer.settings import RolloutSettings
+from skip_plugin_trainer.settings import RolloutSettings, RunSettings
+from skip_plugin_trainer.train.policy import Policy
 
 POOL_TIMEOUT_S = 60
+STREAMED_PER_WORKER = 256
 
 
 class RolloutWorker:
     """One agent loop and backend, built in the worker process from the run's settings.
 
-    ``config`` is the resolved run config, for the plugins that read their own section
-    (profiling). ``rank`` names the worker in profiles; spans of work outside a rollout
-    (weight loads) carry the step of the last batch it generated.
+    ``rank`` names the worker in profiles; spans of work outside a rollout (weight loads)
+    carry the step of the last batch it generated.
     """
 
-    def __init__(self, settings: RolloutSettings, config: Mapping[str, Any], threads: int, rank: int) -> None:
+    def __init__(self, settings: RolloutSettings, threads: int, rank: int) -> None:
         import torch
         from transformers.utils import logging as hf_logging
 
@@ -41,7 +44,7 @@ class RolloutWorker:
 
         hf_logging.disable_progress_bar()
         torch.set_num_threads(threads)
-        spans.configure(config, worker=rank)
+        spans.configure(settings.sections, worker=rank)
         self.loop = RolloutParts.from_settings(settings).agent_loop(settings, load_tokenizer(settings))
         self.step = 0
 
@@ -59,6 +62,57 @@ class RolloutWorker:
             self.loop.shutdown()
         finally:
             spans.close()
+
+
+class Cluster:
+    """The run's Ray side: Ray itself (joined, or started locally), the rollout and actor pools,
+    and the workers placed in them. Each pool joins ``pools`` as soon as it is placed, so
+    ``close`` frees whatever a failed start had placed."""
+
+    def __init__(self) -> None:
+        self.pools: list[Pool] = []
+        self.rollout: RolloutGroup | None = None
+        self.actor: Any = None
+
+    def start(self, settings: RunSettings, overlapped: bool) -> None:
+        resources = settings.resources
+        if not ray.is_initialized():
+            address = os.environ.get("RAY_ADDRESS")
+            options = {"address": address} if address else {"num_cpus": resources.num_cpus}
+            ray.init(**options, include_dashboard=False, log_to_driver=True)
+        pools = [
+            ("rollout", "resources.rollout", resources.rollout.workers, resources.rollout.cpus_per_worker),
+            ("actor", "resources.actor", 1, resources.actor.cpus),
+        ]
+        Pool.check_capacity(pools)
+        for pool in pools:
+            self.pools.append(Pool(*pool))
+        rollout, actor = self.pools
+        threads = resources.threads(rollout.cpus, overlapped, together=resources.rollout.workers)
+        # Many concurrent calls per worker: streamed samples each wait in one; the engine batches them.
+        workers = rollout.spawn(RolloutWorker, settings, threads, Pool.RANK, concurrency=STREAMED_PER_WORKER)
+        self.rollout = RolloutGroup(workers)
+        (self.actor,) = actor.spawn(
+            Policy,
+            str(settings.model_path()),
+            settings.actor,
+            samples_per_prompt=settings.rollout.n,
+            temperature=settings.rollout.temperature,
+            use_reference=settings.use_reference,
+            seed=settings.trainer.seed,
+            threads=resources.threads(actor.cpus, overlapped),
+        )
+
+    def close(self) -> None:
+        """Let the rollout workers stop their engines and write their profiles, then free the pools."""
+        if self.rollout is not None and self.pools:
+            try:
+                self.rollout.shutdown()
+            except Exception as exc:  # a worker that already died; the pools still free the rest
+                warnings.warn(f"rollout workers did not shut down cleanly: {exc!r}", RuntimeWarning, stacklevel=2)
+        for pool in self.pools:
+            pool.close()
+        self.pools.clear()
 
 
 class Pool:

@@ -1,0 +1,97 @@
+"""Config sections that plugins declare, validated once at the start of a run and handed down typed.
+
+A plugin declares a section through ``skip_register_sections``: ``register("async_training",
+AsyncTraining)``, a dotted key and the pydantic model of what may stand there, as llm's model
+plugins declare their ``Options``. ``parse_sections`` validates every declared section of a run
+config in one pass, with core's one-line errors; a plugin then reads ``sections[AsyncTraining]``
+and never the raw config. The same models give Hydra its defaults (``skip_core.hydra_defaults``),
+so the keys a command-line override may name and the keys a model accepts are one list.
+
+A section may sit inside another (``rollout.hf`` inside the trainer's ``rollout``): each model
+sees only its own keys, and a mapping between them (``rollout.engine_kwargs``) may hold only
+declared sections.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+
+from skip_core.config import SHIPPED, ConfigError, install_hint, parse_section, select, to_container, unknown_key
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class Sections:
+    """The validated sections of one run config: ``sections[Model]`` is that model's section.
+
+    ``Sections(HFConfig(device="cpu"), ...)`` builds one by hand, for a test or a benchmark.
+    """
+
+    def __init__(self, *values: BaseModel) -> None:
+        self._by_model = {type(value): value for value in values}
+
+    def __getitem__(self, model: type[M]) -> M:
+        try:
+            return self._by_model[model]
+        except KeyError:
+            declared = ", ".join(sorted(kind.__name__ for kind in self._by_model)) or "none"
+            raise KeyError(f"no config section of model {model.__name__} is declared (declared: {declared})") from None
+
+
+def parse_sections(config: Any, declared: Mapping[str, type[BaseModel]]) -> Sections:
+    """Validate every declared section of ``config`` (missing ones take their defaults).
+
+    ``ConfigError`` names the first bad key, what is allowed there and the closest match; a
+    section that a plugin of this repository declares, turned on (``enable: true``) while that
+    plugin is not installed, says which distribution to install.
+    """
+    models = {}
+    for key, model in declared.items():
+        if model in models:
+            raise ConfigError(f"{key}: model {model.__name__} is declared for both {models[model]} and {key}")
+        models[model] = key
+    known = set(declared) | {name for kind, name in SHIPPED if kind == "section"}
+    _check_nests(config, declared, known)
+    _check_not_installed(config, known - set(declared))
+    return Sections(*(parse_section(model, key, _own(config, key, known)) for key, model in declared.items()))
+
+
+def _own(config: Any, key: str, known: set[str]) -> Any:
+    """The section at ``key`` without the sections nested in it, which their own models validate."""
+    raw = to_container(select(config, key))
+    if not isinstance(raw, Mapping):
+        return raw
+    nested = _children(key, known)
+    return {name: value for name, value in raw.items() if name not in nested}
+
+
+def _children(key: str, keys: set[str]) -> set[str]:
+    """The first names below ``key`` on the way to each of ``keys`` under it."""
+    return {other[len(key) + 1 :].split(".")[0] for other in keys if other.startswith(f"{key}.")}
+
+
+def _check_nests(config: Any, declared: Mapping[str, type[BaseModel]], known: set[str]) -> None:
+    """A mapping between a declared section and one nested in it holds nothing but sections."""
+    for key in declared:
+        parts = key.split(".")
+        for depth in range(2, len(parts)):
+            nest = ".".join(parts[:depth])
+            if ".".join(parts[: depth - 1]) not in declared or nest in known:
+                continue
+            raw = to_container(select(config, nest)) or {}
+            if not isinstance(raw, Mapping):
+                raise ConfigError(f"{nest}: expected a mapping of sections, got {raw!r}")
+            for name in raw:
+                if f"{nest}.{name}" not in known:
+                    raise ConfigError(f"{nest}.{name}: {unknown_key(f'{nest}.{name}', _children(nest, known))}")
+
+
+def _check_not_installed(config: Any, missing: set[str]) -> None:
+    for key in sorted(missing):
+        if select(config, f"{key}.enable") is True:
+            raise ConfigError(
+                f"{key}.enable is true but no installed plugin declares {key}: {install_hint('section', key)}"
+            )

@@ -1,0 +1,20 @@
+"""The ``rollout.hf`` section, declared to skip: pydantic only, so listing plugins imports no torch."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, PositiveInt
+
+
+class HFConfig(BaseModel):
+    """``rollout.hf``: where and how the model runs.
+
+    ``device`` ``auto`` takes CUDA when torch sees it; ``dtype`` null is bfloat16 on CUDA and
+    float32 on CPU; ``max_batch_size`` bounds the requests decoded together.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    max_batch_size: PositiveInt = 64

@@ -1,0 +1,7 @@
+"""Prompts for RL training: verl-shaped rows read (``rows``), rendered and length-checked
+(``dataset``), and batched as a resumable stream (``loader``)."""
+
+from skip_plugin_trainer.data.dataset import RLDataset, truncate
+from skip_plugin_trainer.data.loader import PromptLoader, collate
+
+__all__ = ["PromptLoader", "RLDataset", "collate", "truncate"]

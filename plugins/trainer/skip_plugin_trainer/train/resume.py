@@ -1,0 +1,76 @@
+"""Which checkpoint a run resumes from, whether it may, and what a checkpoint records for it.
+
+A run directory holds one run. ``trainer.resume_mode=auto`` continues it from its newest
+checkpoint that verifies, but only under the settings it was saved with where a run cannot
+change them mid-way (``RunSettings.identity``: schedule, backend, model, algorithm): resuming
+another run's weights and optimizer under other rules would train neither. A checkpoint at or
+past the run's last step leaves nothing to train. Both are decided before Ray starts.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+from skip_core.config import ConfigError
+
+from skip_plugin_trainer.settings import RunSettings
+from skip_plugin_trainer.train.checkpoint import Checkpoint, CheckpointManager
+
+WAYS_OUT = "use a new run directory (trainer.default_local_dir=...) or start over here (trainer.resume_mode=disable)"
+
+
+def find_checkpoint(settings: RunSettings, checkpoints: CheckpointManager) -> Checkpoint | None:
+    """The checkpoint this run resumes from, checked against its settings, or ``None``."""
+    trainer = settings.trainer
+    if trainer.resume_mode == "disable":
+        return None
+    if trainer.resume_mode == "resume_path":
+        path = Path(trainer.resume_from_path).expanduser()
+        checkpoint = CheckpointManager(path.parent).load(_step_of(path))
+    else:
+        checkpoint = checkpoints.latest()
+    if checkpoint is not None:
+        _check_identity(checkpoint, settings)
+    return checkpoint
+
+
+def trainer_state(settings: RunSettings, step: int, loader: dict, schedule: dict | None) -> dict[str, Any]:
+    """What a checkpoint records beside the weights: the step, where the data stands, the
+    schedule's own state, and the settings a resumed run must share."""
+    return {"global_steps": step, "loader": loader, "schedule": schedule, "identity": settings.identity()}
+
+
+def nothing_left(checkpoint: Checkpoint, total_steps: int) -> str:
+    """The line a run says when its directory holds a checkpoint at or past its last step."""
+    return (
+        f"nothing to train: {checkpoint.path} is step {checkpoint.step} and this run ends at step {total_steps} "
+        f"(trainer.total_training_steps); to train again, {WAYS_OUT}"
+    )
+
+
+def _check_identity(checkpoint: Checkpoint, settings: RunSettings) -> None:
+    saved = checkpoint.trainer.get("identity")
+    if saved is None:
+        warnings.warn(
+            f"{checkpoint.path} records no settings to compare with this run's (saved by an older skip): "
+            "resuming it as it is",
+            stacklevel=3,
+        )
+        return
+    ours = settings.identity()
+    differ = [key for key in sorted(ours.keys() | saved.keys()) if ours.get(key) != saved.get(key)]
+    if differ:
+        changes = ", ".join(f"{key} ({saved.get(key)!r} there, {ours.get(key)!r} here)" for key in differ)
+        raise ConfigError(
+            f"trainer.resume_mode: the checkpoint {checkpoint.path} was saved by a run with other settings "
+            f"that a run cannot change mid-way: {changes}; {WAYS_OUT}"
+        )
+
+
+def _step_of(path: Path) -> int:
+    name = path.name
+    if not name.startswith("global_step_") or not name[len("global_step_") :].isdigit():
+        raise ConfigError(f"trainer.resume_from_path: expected a global_step_<k> directory, got {str(path)!r}")
+    return int(name[len("global_step_") :])
