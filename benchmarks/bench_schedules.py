@@ -33,7 +33,6 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-CONFIGS = Path(__file__).parent.parent / "configs"
 POOLED = "sync, pool threads"
 # Final scores closer than this are the same score: about two standard errors of a mean over
 # 64 validation prompts near 0.9 (sqrt(0.9 * 0.1 / 64) = 0.04).
@@ -69,7 +68,7 @@ def train(directory: Path, task_dir: Path, name: str, schedule: list[str], steps
         "trainer.save_freq=-1",
         *extra,
     ]
-    subprocess.run([str(skip), "run", "--config-dir", str(CONFIGS), *overrides], check=True, capture_output=True)
+    subprocess.run([str(skip), "run", *overrides], check=True, capture_output=True)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 

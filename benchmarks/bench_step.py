@@ -19,7 +19,6 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-CONFIGS = Path(__file__).parent.parent / "configs"
 PHASES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "step")
 
 
@@ -38,7 +37,7 @@ def train(directory: Path, task_dir: Path, steps: int, extra: list[str]) -> list
         "trainer.val_before_train=false",
         *extra,
     ]
-    subprocess.run([str(skip), "run", "--config-dir", str(CONFIGS), *overrides], check=True, capture_output=True)
+    subprocess.run([str(skip), "run", *overrides], check=True, capture_output=True)
     lines = (directory / "run" / "metrics.jsonl").read_text().splitlines()
     return [row for row in map(json.loads, lines) if row["step"] > 0]
 

@@ -10,9 +10,10 @@ import json
 from skip_core import Batch
 from skip_core.backend import Generation, RolloutBackend
 from skip_plugin_arithmetic.calculator import Calculator
-from skip_plugin_trainer.rollout.agent_loop import AgentLoop, LoopConfig
+from skip_plugin_trainer.rollout.agent_loop import AgentLoop
 from skip_plugin_trainer.rollout.chat import ChatFormat
 from skip_plugin_trainer.rollout.tools import HermesParser
+from skip_plugin_trainer.settings import LoopConfig
 
 
 def call(expression: str) -> str:

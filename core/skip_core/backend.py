@@ -44,7 +44,10 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.{name}: invalid value {getattr(self, name)!r}")
 
 
-FinishReason = Literal["length", "stop", "abort"]
+#: Why a completion or a request ended: its stop token or string, its length budget, an engine
+#: that stopped it early (``abort``: a pause or a shutdown; a completion only), or its turns
+#: (``max_turns``: a multi-turn request of the agent loop only).
+FinishReason = Literal["stop", "length", "abort", "max_turns"]
 
 
 @dataclass(frozen=True)

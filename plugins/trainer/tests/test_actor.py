@@ -3,7 +3,8 @@
 import pytest
 import torch
 from skip_core.batch import Batch
-from skip_plugin_trainer.train.policy import ActorConfig, Optim, Policy
+from skip_plugin_trainer.settings import ActorConfig, Optim
+from skip_plugin_trainer.train.policy import Policy
 
 PROMPT, RESPONSE = 12, 10
 

@@ -345,9 +345,11 @@ def test_a_weight_update_with_interrupt_continues_requests_in_flight_with_the_ne
     """Partial rollout on the real hf engine: requests cut by the pause finish from their tokens
     so far, and each sample records the weight versions it was generated with."""
     from skip_core.backend import create_backend
+    from skip_core.sections import Sections
+    from skip_plugin_hf.config import HFConfig
     from transformers import AutoModelForCausalLM
 
-    backend = create_backend("hf", {"model_path": str(tiny_model_dir), "hf": {"device": "cpu"}})
+    backend = create_backend("hf", Sections(HFConfig(device="cpu")), tiny_model_dir)
     loop = make_loop(tokenizer, backend, response_length=256, temperature=1.0, seed=0)
     new_weights = {
         k: v + 0.01 * torch.randn_like(v)

@@ -7,16 +7,18 @@ same random streams, score higher."""
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 from skip_core.backend import create_backend
 from skip_core.batch import Batch
+from skip_core.sections import Sections
 from skip_plugin_arithmetic import tiny_model
 from skip_plugin_arithmetic.calculator import SCHEMA, Calculator
 from skip_plugin_arithmetic.task import demonstration, problems, prompt, score
-from skip_plugin_trainer.rollout.agent_loop import AgentLoop, LoopConfig
+from skip_plugin_hf.config import HFConfig
+from skip_plugin_trainer.rollout.agent_loop import AgentLoop
 from skip_plugin_trainer.rollout.tools import HermesParser
+from skip_plugin_trainer.settings import ActorConfig, LoopConfig, Optim
 from skip_plugin_trainer.train.algorithm import compute_advantages
-from skip_plugin_trainer.train.policy import ActorConfig, Optim, Policy
+from skip_plugin_trainer.train.policy import Policy
 from skip_plugin_trainer.train.reward import place_on_last_token
 
 PROBLEMS = problems("learning-test", 8, seed=0)
@@ -68,7 +70,7 @@ def test_grpo_updates_on_one_batch_favour_what_scored_and_the_batch_scores_highe
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(primed_dir)
-    backend = create_backend("hf", OmegaConf.create({"model_path": str(primed_dir), "hf": {"device": "cpu"}}))
+    backend = create_backend("hf", Sections(HFConfig(device="cpu")), primed_dir)
     config = LoopConfig(prompt_length=160, response_length=96, n=SAMPLES, temperature=1.0, seed=0)
     loop = AgentLoop(backend, tokenizer, config, {"calculator": Calculator()}, HermesParser())
     actor = ActorConfig(ppo_mini_batch_size=len(PROBLEMS), ppo_micro_batch_size=len(PROBLEMS) * SAMPLES)

@@ -5,7 +5,8 @@ import pytest
 import torch
 from skip_core.batch import Batch
 from skip_core.config import ConfigError
-from skip_plugin_trainer.train.reward import RewardConfig, Rewarder, place_on_last_token, score_by_task
+from skip_plugin_trainer.settings import RewardConfig
+from skip_plugin_trainer.train.reward import Rewarder, place_on_last_token, score_by_task
 
 
 class Tokenizer:

@@ -16,18 +16,18 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import threading
 import time
 import uuid
 import zlib
 from collections import Counter
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from skip_core import spans
-from skip_core.backend import Generation, RolloutBackend, SamplingParams
+from skip_core.backend import FinishReason, Generation, RolloutBackend, SamplingParams
 from skip_core.batch import Batch
+from skip_core.loop_thread import LoopThread
 from skip_core.manager import SkipManager
 
 from skip_plugin_trainer.rollout.chat import ChatFormat
@@ -48,9 +48,6 @@ class State(enum.Enum):
     TOOL_CALLING = "tool_calling"
     COMPLETED = "completed"
     FAILED = "failed"
-
-
-FinishReason = Literal["stop", "length", "max_turns"]
 
 
 @dataclass
@@ -110,29 +107,27 @@ class AgentLoop:
         self.rollouts = 0  # batches really generated: a skip cache hit never reaches the loop
         self.weight_version = 0  # the trainer step whose weights the engine holds
         self._pauses = 0  # how many times update_weights paused the engine under running requests
-        self._loop = asyncio.new_event_loop()
         self._weights_ready = asyncio.Event()  # clear while an interrupting update runs
         self._weights_ready.set()
-        threading.Thread(target=self._loop.run_forever, name="skip-agent-loop", daemon=True).start()
+        self._loop = LoopThread("skip-agent-loop")
 
     # -- public entry points: the units skip roles replace --------------------------------
 
     @SkipManager.annotate(role="rollout")
     def generate_sequences(self, prompts: Batch) -> Batch:
         """Roll out every prompt of the batch (``n`` samples each) and return them padded."""
-        return self._call(self._generate(prompts, sample_key=None))
+        return self._loop.run(self._generate(prompts, sample_key=None))
 
     @SkipManager.annotate(role="async_rollout")
     async def generate_sequences_single(self, prompts: Batch, sample_id: str) -> Batch:
         """Roll out one streamed prompt; ``sample_id`` (``sample_{epoch}_{index}``) seeds it."""
-        future = asyncio.run_coroutine_threadsafe(self._generate(prompts, sample_key=sample_id), self._loop)
-        return await asyncio.wrap_future(future)
+        return await self._loop.run_async(self._generate(prompts, sample_key=sample_id))
 
     def update_weights(self, state_dict: Mapping[str, Any], version: int = 0, interrupt: bool = False) -> None:
         """Load the trainer's weights of step ``version``. ``interrupt``: pause the engine under
         the requests in flight (they continue from their tokens so far with these weights)
         instead of requiring that none runs."""
-        self._call(self._update_weights(state_dict, version, interrupt))
+        self._loop.run(self._update_weights(state_dict, version, interrupt))
 
     async def _update_weights(self, state_dict: Mapping[str, Any], version: int, interrupt: bool) -> None:
         if not interrupt:
@@ -150,22 +145,19 @@ class AgentLoop:
             await self.backend.resume()
 
     def sleep(self) -> None:
-        self._call(self.backend.sleep())
+        self._loop.run(self.backend.sleep())
 
     def wake_up(self) -> None:
-        self._call(self.backend.wake_up())
+        self._loop.run(self.backend.wake_up())
 
     def shutdown(self) -> None:
         """Stop the backend, then the loop thread; the agent loop is unusable afterwards."""
-        if self._loop.is_closed():
+        if self._loop.stopped:
             return
         try:
-            self._call(self.backend.shutdown())
+            self._loop.run(self.backend.shutdown())
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-
-    def _call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+            self._loop.stop()
 
     # -- one batch ----------------------------------------------------------------------
 
@@ -279,8 +271,8 @@ class AgentLoop:
         if generation.finish_reason == "length":
             return self._complete(request, "length")
         text = self.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
-        calls = self._parse_calls(text)
-        request.messages.append(_assistant_message(text, calls, self.parser))
+        content, calls = self._parse(text)
+        request.messages.append(_assistant_message(content, calls))
         if calls:
             request.state = State.TOOL_CALLING
         else:
@@ -333,10 +325,12 @@ class AgentLoop:
             raise RolloutError(f"{where}: {request.error}") from exc
         return generation
 
-    def _parse_calls(self, text: str) -> list[ToolCall]:
+    def _parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """The turn's content and its tool calls; a turn without any keeps its text as it is."""
         if self.parser is None or not self.parser.has_tool_call(text):
-            return []
-        return self.parser.parse(text)[1]
+            return text, []
+        content, calls = self.parser.parse(text)
+        return (content, calls) if calls else (text, [])
 
     async def _call_tools(self, request: Request) -> None:
         calls = request.messages[-1]["tool_calls"]
@@ -431,10 +425,9 @@ def _tools_kwargs(extras: Mapping[str, Any], index: int) -> dict[str, dict]:
     return {str(name): dict(kwargs or {}) for name, kwargs in (value or {}).items()}
 
 
-def _assistant_message(text: str, calls: list[ToolCall], parser: ToolParser | None) -> dict:
+def _assistant_message(content: str, calls: list[ToolCall]) -> dict:
     if not calls:
-        return {"role": "assistant", "content": text}
-    content = parser.parse(text)[0]
+        return {"role": "assistant", "content": content}
     tool_calls = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
     return {"role": "assistant", "content": content, "tool_calls": tool_calls}
 
