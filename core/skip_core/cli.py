@@ -57,6 +57,7 @@ def plugins() -> None:
     table = _table("distribution", "version", "plugin", "provides", "hooks")
     for name, dist, version, provided in installed():
         offered = [f"{kind[:-1].replace('_', ' ')} {item}" for kind, items in provided.items() for item in items]
+        offered += [f"command {path}" for path in _added.get(name, ())]
         hooks = sorted(caller.name for caller in pm.get_hookcallers(pm.get_plugin(name)) or ())
         table.add_row(dist, version, name, ", ".join(offered) or "-", ", ".join(hooks))
     console.print(table)
@@ -139,17 +140,33 @@ def cache_prune(directory: Path, dry_run: bool, min_age: float) -> None:
 
 
 def _plugin_commands() -> None:
-    """Let plugins add commands; one that fails to is reported, and the others still work."""
+    """Let plugins add commands, noting which added what (``skip plugins`` lists it); one that
+    fails to is reported, and the others still work."""
     import warnings
 
     from skip_core.plugins import distribution, load_plugins
 
     for impl in load_plugins().hook.skip_register_commands.get_hookimpls():
+        before = _paths(cli)
         try:
             impl.function(cli=cli)
         except Exception as exc:
             plugin = distribution(impl.plugin_name)
             warnings.warn(f"skip: {plugin} failed to add its commands: {exc!r}", RuntimeWarning, stacklevel=1)
+        added = _paths(cli) - before
+        _added[impl.plugin_name] = sorted(path for path in added if path.rpartition(" ")[0] not in added)
 
 
+def _paths(group: click.Group, prefix: str = "") -> set[str]:
+    """Every command below ``group``, as the words that call it (``cache import-verl``)."""
+    paths = set()
+    for name, command in group.commands.items():
+        paths.add(prefix + name)
+        if isinstance(command, click.Group):
+            paths |= _paths(command, f"{prefix}{name} ")
+    return paths
+
+
+# plugin name -> the commands it added, for ``skip plugins``
+_added: dict[str, list[str]] = {}
 _plugin_commands()

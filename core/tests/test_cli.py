@@ -24,10 +24,20 @@ def invoke(*args):
     return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
 
 
-def test_plugins_lists_distributions_and_roles():
+def test_plugins_lists_distributions_and_what_each_provides_commands_and_sections_included():
     result = invoke("plugins")
     assert result.exit_code == 0
-    assert "skip-plugin-rollout" in result.output and "async_rollout" in result.output
+    rows: dict[str, str] = {}
+    for line in result.output.splitlines():
+        cells = [cell.strip() for cell in line.split("│")[1:-1]]
+        if len(cells) == 5:  # a row, or the next line of a row whose cells wrap
+            name = cells[0] or name
+            rows[name] = rows.get(name, "") + " " + " ".join(cells)
+    assert "role async_rollout" in rows["skip-plugin-async-rollout"]
+    assert "command profile" in rows["skip-plugin-profiling"] and "section profiling" in rows["skip-plugin-profiling"]
+    assert "command profile report" not in result.output  # a group a plugin added is listed once
+    assert "command cache import-verl" in rows["skip-plugin-verl"]
+    assert "command run" in rows["skip-plugin-trainer"] and "section rollout" in rows["skip-plugin-trainer"]
 
 
 def test_ls_lists_every_entry(cache, tmp_path):
