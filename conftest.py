@@ -104,9 +104,26 @@ def task_dir(tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One local Ray for every in-process training test, shut down at the end of the session."""
+    """One local Ray for every in-process training test, shut down at the end of the session.
+
+    Its workers can build ``rollout.backend=held_hf`` (``scripted_model.HeldUntilPaused``): each
+    registers it when it starts; a test's driver registers it through ``held_backend``.
+    """
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    path = os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
+    setup = "scripted_model.register_held_backend"
+    runtime_env = {"env_vars": {"PYTHONPATH": path}, "worker_process_setup_hook": setup}
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
     yield
     ray.shutdown()
+
+
+@pytest.fixture
+def held_backend():
+    """``rollout.backend=held_hf`` in this process for the test (the ``ray_session`` workers have it)."""
+    from scripted_model import HELD, register_held_backend, unregister_held_backend
+
+    register_held_backend()
+    yield HELD
+    unregister_held_backend()

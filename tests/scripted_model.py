@@ -1,19 +1,16 @@
-"""A scripted model for agent-loop tests: the test double is the *model* only.
+"""Scripted models for tests: the test double is the *model* only.
 
 ``ScriptedBackend`` answers each turn with text a script chooses, encoded by the real
 tokenizer; the loop, chat format, parser, tools and padding it drives are the real ones.
+``HeldUntilPaused`` is the real ``hf`` engine whose first request waits for the first pause,
+for runs on Ray (``rollout.backend=held_hf``). Light to import: Ray workers import it at start.
 """
 
 import asyncio
 import json
 
-from skip_core import Batch
+from skip_core import Batch, hookimpl
 from skip_core.backend import Generation, RolloutBackend
-from skip_plugin_arithmetic.calculator import Calculator
-from skip_plugin_trainer.rollout.agent_loop import AgentLoop
-from skip_plugin_trainer.rollout.chat import ChatFormat
-from skip_plugin_trainer.rollout.tools import HermesParser
-from skip_plugin_trainer.settings import LoopConfig
 
 
 def call(expression: str) -> str:
@@ -71,6 +68,8 @@ class ScriptedBackend(RolloutBackend):
 
 
 def prompts(tokenizer, questions, tools_kwargs=None, **meta) -> Batch:
+    from skip_plugin_trainer.rollout.chat import ChatFormat
+
     chat = ChatFormat(tokenizer)
     messages = [[{"role": "user", "content": q}] for q in questions]
     kwargs = tools_kwargs or {"calculator": {}}
@@ -84,7 +83,97 @@ def prompts(tokenizer, questions, tools_kwargs=None, **meta) -> Batch:
     )
 
 
-def make_loop(tokenizer, backend, tools=None, **config) -> AgentLoop:
+def make_loop(tokenizer, backend, tools=None, **config):
+    from skip_plugin_arithmetic.calculator import Calculator
+    from skip_plugin_trainer.rollout.agent_loop import AgentLoop
+    from skip_plugin_trainer.rollout.tools import HermesParser
+    from skip_plugin_trainer.settings import LoopConfig
+
     settings = {"prompt_length": 64, "response_length": 256, "n": 1, **config}
     tools = {"calculator": Calculator()} if tools is None else tools
     return AgentLoop(backend, tokenizer, LoopConfig(**settings), tools, HermesParser())
+
+
+HELD = "held_hf"
+
+
+class HeldUntilPaused(RolloutBackend):
+    """The real ``hf`` engine, except that the first request it gets waits for the engine's first
+    pause (a weight sync with partial rollout) and then ends as cut before its first token.
+
+    A sync is then certain to land while a request generates, however fast the others run or
+    however busy the machine. Only for runs that pause (``async_training.partial_rollout``):
+    without a pause the held request waits until shutdown.
+    """
+
+    def __init__(self, engine: RolloutBackend) -> None:
+        self.engine = engine
+        self.held = False
+        self.paused = asyncio.Event()
+
+    async def generate(self, prompt_ids, params, request_id):
+        if self.held:
+            return await self.engine.generate(prompt_ids, params, request_id)
+        self.held = True
+        await self.paused.wait()
+        return [Generation([], [], "abort") for _ in range(params.n)]
+
+    async def pause(self):
+        self.paused.set()
+        await self.engine.pause()
+
+    async def resume(self):
+        await self.engine.resume()
+
+    async def update_weights(self, state_dict):
+        await self.engine.update_weights(state_dict)
+
+    async def sleep(self):
+        await self.engine.sleep()
+
+    async def wake_up(self):
+        await self.engine.wake_up()
+
+    async def shutdown(self):
+        self.paused.set()
+        await self.engine.shutdown()
+
+
+class HeldFactory:
+    """``hf``'s factory (and its driver-side check), wrapped: takes whatever arguments it takes."""
+
+    @staticmethod
+    def _hf():
+        from skip_core.plugins import registry
+
+        return registry().backends["hf"]
+
+    def check(self, *args, **kwargs):
+        check = getattr(self._hf(), "check", None)
+        if check is not None:
+            check(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        return HeldUntilPaused(self._hf()(*args, **kwargs))
+
+
+class _HeldPlugin:
+    @hookimpl
+    def skip_register_backends(self, register):
+        register(HELD, HeldFactory())
+
+
+def register_held_backend() -> None:
+    """Make ``rollout.backend=held_hf`` available in this process; every worker of the suite's
+    Ray runs it at start (``ray_session``), a test's driver through ``held_backend``."""
+    from skip_core.plugins import pm
+
+    if not pm.has_plugin(HELD):
+        pm.register(_HeldPlugin(), name=HELD)
+
+
+def unregister_held_backend() -> None:
+    from skip_core.plugins import pm
+
+    if pm.has_plugin(HELD):
+        pm.unregister(name=HELD)
