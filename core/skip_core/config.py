@@ -168,7 +168,7 @@ def unknown_key(key: str, allowed: Iterable[str]) -> str:
     """What follows ``key: `` when ``key`` names nothing: the keys allowed there and the closest one."""
     parent, _, name = key.rpartition(".")
     allowed = sorted(allowed)
-    close = difflib.get_close_matches(name, allowed, n=1)
+    close = difflib.get_close_matches(name, allowed, n=1) or [key for key in allowed if key.startswith(name)][:1]
     hint = f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
     return f"unknown key (allowed: {', '.join(allowed) or 'none'}){hint}"
 

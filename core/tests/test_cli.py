@@ -28,6 +28,7 @@ def test_plugins_lists_distributions_and_what_each_provides_commands_and_section
     result = invoke("plugins")
     assert result.exit_code == 0
     rows: dict[str, str] = {}
+    name = ""
     for line in result.output.splitlines():
         cells = [cell.strip() for cell in line.split("│")[1:-1]]
         if len(cells) == 5:  # a row, or the next line of a row whose cells wrap

@@ -1,11 +1,18 @@
-"""``skip run`` and ``skip rollout`` as commands: Hydra composition and its errors."""
+"""``skip run`` and ``skip rollout`` as commands: where the configs come from, Hydra composition
+and its errors. Every key a declared section's model has can be overridden, and no other."""
 
 import re
 
 import pytest
 from click.testing import CliRunner
+from skip_core import plugins
 from skip_core.cli import cli
-from skiptests import CONFIGS
+from skip_plugin_trainer.commands import compose_config
+from skiptests import ROOT
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(cli, list(args))
 
 
 @pytest.mark.parametrize(
@@ -14,15 +21,54 @@ from skiptests import CONFIGS
         ("run", "trainer.totl_training_steps=3", r"trainer\.totl_training_steps: unknown key \(allowed: .*total_"),
         ("run", "trainr.seed=3", r"trainr: unknown key \(allowed: actor, .*\); did you mean trainer\?"),
         ("rollout", "rollout.temprature=0.5", r"did you mean rollout\.temperature\?"),
+        ("run", "rollout.engine_kwargs.vllm.max_num_seq=8", r"did you mean .*\.engine_kwargs\.vllm\.max_num_seqs\?"),
+        ("run", "async_training.trigger=2", r"did you mean async_training\.trigger_parameter_sync_step\?"),
     ],
 )
 def test_a_mistyped_override_names_the_key_and_the_allowed_ones_not_hydras_plus(command, override, message):
-    result = CliRunner().invoke(cli, [command, "--config-dir", str(CONFIGS), override])
+    result = invoke(command, override)
     assert result.exit_code == 1
     assert re.search(message, result.output)
     assert "+" not in result.output
 
 
+def test_every_key_of_a_declared_sections_model_overrides_though_the_yaml_does_not_name_it():
+    """The shipped YAML names a few engine options; the vllm plugin's model has more."""
+    assert "max_num_seqs" not in (ROOT / "plugins/trainer/skip_plugin_trainer/configs/rollout.yaml").read_text()
+    config = compose_config(None, "run", ("rollout.engine_kwargs.vllm.max_num_seqs=16", "profiling.flush_interval_s=2"))
+    assert config.rollout.engine_kwargs.vllm.max_num_seqs == 16
+    assert config.profiling.flush_interval_s == 2
+
+
+def test_a_key_of_a_section_whose_plugin_is_not_installed_says_what_to_install(monkeypatch):
+    monkeypatch.setenv("SKIP_PLUGINS", "skip-plugin-trainer,skip-plugin-arithmetic,skip-plugin-hf")
+    plugins._reset_for_tests()
+    try:
+        result = invoke("run", "profiling.flush_interval_s=2")
+    finally:
+        monkeypatch.delenv("SKIP_PLUGINS")
+        plugins._reset_for_tests()
+    assert result.exit_code == 1
+    hint = r"profiling comes with a plugin that is not installed: .*pip install \./plugins/profiling"
+    assert re.search(hint, result.output)
+
+
+def test_a_config_of_the_users_own_includes_the_shipped_one():
+    """``configs/experiment.yaml`` of this repository is the README's example of one."""
+    config = compose_config(ROOT / "configs", "experiment", ("trainer.seed=3",))
+    trainer = config.trainer
+    assert (trainer.experiment_name, trainer.total_training_steps, config.rollout.n) == ("experiment", 8, 8)
+    assert (config.trainer.seed, config.data.train_batch_size) == (3, 16)  # an override; the shipped run.yaml's value
+
+
+def test_a_config_that_is_nowhere_names_where_it_was_looked_for(tmp_path):
+    result = invoke("run", "--config-dir", str(tmp_path), "--config-name", "mine")
+    assert result.exit_code == 2
+    assert f"--config-name: no mine.yaml in {tmp_path} or the shipped configs (rollout, run)" in result.output
+    result = invoke("run", "--config-dir", str(tmp_path / "nope"))
+    assert result.exit_code == 2 and "--config-dir: no such directory" in result.output
+
+
 def test_other_hydra_errors_are_usage_errors():
-    result = CliRunner().invoke(cli, ["run", "--config-dir", str(CONFIGS), "trainer.seed"])
+    result = invoke("run", "trainer.seed")
     assert result.exit_code == 2 and "trainer.seed" in result.output
