@@ -83,8 +83,11 @@ class RoleConfig(BaseModel):
         return os.path.expanduser(self.dump_dir)
 
 
-def parse_section(model: type[M], key: str, raw: Any) -> M:
-    """Validate one config section, turning pydantic's report into one line naming the key."""
+def parse_section(model: type[M], key: str, raw: Any, nested: Iterable[str] = ()) -> M:
+    """Validate one config section, turning pydantic's report into one line naming the key.
+
+    ``nested``: names of sections inside this one, validated apart but allowed here.
+    """
     raw = to_container(raw)
     if raw is None:
         raw = {}
@@ -95,7 +98,7 @@ def parse_section(model: type[M], key: str, raw: Any) -> M:
     try:
         return model.model_validate(given)
     except ValidationError as exc:
-        raise ConfigError(_one_line(key, model, exc)) from None
+        raise ConfigError(_one_line(key, model, exc, nested)) from None
 
 
 def is_hydra_marker(key: Any) -> bool:
@@ -103,14 +106,15 @@ def is_hydra_marker(key: Any) -> bool:
     return isinstance(key, str) and len(key) > 2 and key.startswith("_") and key.endswith("_")
 
 
-def _one_line(key: str, model: type[BaseModel], exc: ValidationError) -> str:
+def _one_line(key: str, model: type[BaseModel], exc: ValidationError, nested: Iterable[str]) -> str:
     errors = exc.errors()
     first = errors[0]
     loc = key
     for part in first["loc"]:
         loc += f"[{part}]" if isinstance(part, int) else f".{part}"
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"{loc}: {_expectation(first, _owner(model, first['loc']), loc)}{more}"
+    owner = _owner(model, first["loc"])
+    return f"{loc}: {_expectation(first, owner, loc, nested if owner is model else ())}{more}"
 
 
 _EXPECTED = {
@@ -142,10 +146,10 @@ def _integral(annotation: Any) -> bool:
 _BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
 
 
-def _expectation(error: dict, model: type[BaseModel], loc: str) -> str:
+def _expectation(error: dict, model: type[BaseModel], loc: str, nested: Iterable[str]) -> str:
     kind = error["type"]
     if kind == "extra_forbidden":
-        return unknown_key(loc, model.model_fields)
+        return unknown_key(loc, [*model.model_fields, *nested])
     if kind == "missing":
         return "required, and not set"
     if kind == "string_too_short":

@@ -56,16 +56,16 @@ def parse_sections(config: Any, declared: Mapping[str, type[BaseModel]]) -> Sect
     known = set(declared) | {name for kind, name in SHIPPED if kind == "section"}
     _check_nests(config, declared, known)
     _check_not_installed(config, known - set(declared))
-    return Sections(*(parse_section(model, key, _own(config, key, known)) for key, model in declared.items()))
+    return Sections(*(_parse(config, key, model, known) for key, model in declared.items()))
 
 
-def _own(config: Any, key: str, known: set[str]) -> Any:
-    """The section at ``key`` without the sections nested in it, which their own models validate."""
+def _parse(config: Any, key: str, model: type[BaseModel], known: set[str]) -> BaseModel:
+    """The section at ``key``, without the sections nested in it, which their own models validate."""
     raw = to_container(select(config, key))
-    if not isinstance(raw, Mapping):
-        return raw
     nested = _children(key, known)
-    return {name: value for name, value in raw.items() if name not in nested}
+    if isinstance(raw, Mapping):
+        raw = {name: value for name, value in raw.items() if name not in nested}
+    return parse_section(model, key, raw, nested)
 
 
 def _children(key: str, keys: set[str]) -> set[str]:
