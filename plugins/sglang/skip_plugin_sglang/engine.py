@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from skip_core.backend import FinishReason, Generation, RolloutBackend, SamplingParams
+from skip_core.loop_thread import LoopThread
 
 from skip_plugin_sglang.options import SGLangOptions
 
@@ -29,8 +29,7 @@ class SGLangBackend(RolloutBackend):
 
         self.options = options
         self.engine = sglang.Engine(**options.engine_args(model_dir))
-        self._loop = asyncio.new_event_loop()
-        threading.Thread(target=self._loop.run_forever, name="skip-sglang", daemon=True).start()
+        self._loop = LoopThread("skip-sglang")
         self._calls = itertools.count()  # SGLang ids must be unique; a request's turns reuse ours
         self._closed = False
 
@@ -44,7 +43,7 @@ class SGLangBackend(RolloutBackend):
             input_ids=[int(t) for t in prompt_ids], sampling_params=_sampling(params), return_logprob=True, rid=rid
         )
         try:
-            outputs = await self._on_engine_loop(call)
+            outputs = await self._loop.run_async(call)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -98,13 +97,10 @@ class SGLangBackend(RolloutBackend):
         self._closed = True
         await self.pause()  # requests in flight end with "abort" instead of waiting forever
         await asyncio.to_thread(self.engine.shutdown)
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop.stop()
 
     async def _manager(self, method: str, *args: Any) -> Any:
-        return await self._on_engine_loop(getattr(self.engine.tokenizer_manager, method)(*args))
-
-    async def _on_engine_loop(self, coro: Any) -> Any:
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+        return await self._loop.run_async(getattr(self.engine.tokenizer_manager, method)(*args))
 
 
 def _sampling(params: SamplingParams) -> dict[str, Any]:
