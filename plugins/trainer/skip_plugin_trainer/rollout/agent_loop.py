@@ -15,13 +15,10 @@ A backend error or timeout fails the request, cancels the rest of the batch and 
 from __future__ import annotations
 
 import asyncio
-import enum
 import time
-import uuid
 import zlib
 from collections import Counter
-from collections.abc import Awaitable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Mapping
 from typing import Any, TypeVar
 
 from skip_core import spans
@@ -32,6 +29,7 @@ from skip_core.manager import SkipManager
 
 from skip_plugin_trainer.rollout.chat import ChatFormat
 from skip_plugin_trainer.rollout.padding import pad_requests
+from skip_plugin_trainer.rollout.request import Request, State
 from skip_plugin_trainer.rollout.tools import Tool, ToolCall, ToolParser, ToolResponse
 from skip_plugin_trainer.settings import LoopConfig, Sampling
 
@@ -40,49 +38,6 @@ T = TypeVar("T")
 
 class RolloutError(RuntimeError):
     """A request failed (backend error or timeout); the batch it belonged to is not returned."""
-
-
-class State(enum.Enum):
-    PENDING = "pending"
-    RUNNING = "running"
-    TOOL_CALLING = "tool_calling"
-    COMPLETED = "completed"
-    FAILED = "failed"
-
-
-@dataclass
-class Request:
-    """One conversation being rolled out; the unit of the state machine."""
-
-    batch_index: int
-    offset: int
-    prompt_ids: list[int]
-    messages: list[dict]
-    tools_kwargs: Mapping[str, Mapping[str, Any]]
-    seed: int | None
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    state: State = State.PENDING
-    response_ids: list[int] = field(default_factory=list)
-    response_mask: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    turns: int = 0
-    tool_calls: int = 0
-    # The weight version of every engine call, and how often a pause cut one short.
-    weight_versions: list[int] = field(default_factory=list)
-    interruptions: int = 0
-    tool_rewards: dict[str, float] = field(default_factory=dict)
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt_ids) + len(self.response_ids)
-
-    def extend(self, ids: Sequence[int], log_probs: Sequence[float] | None) -> None:
-        """Append model tokens (with log-probs, mask 1) or environment tokens (mask 0)."""
-        self.response_ids.extend(ids)
-        self.response_mask.extend([0 if log_probs is None else 1] * len(ids))
-        self.log_probs.extend([0.0] * len(ids) if log_probs is None else log_probs)
 
 
 class AgentLoop:
