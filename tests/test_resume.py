@@ -7,19 +7,26 @@ import subprocess
 import time
 
 import pytest
-from training import QUIET, command, fingerprints, metrics, train
+from training import fingerprints, held_command, metrics, train
+
+# What each schedule caches (a batch per trainer step, or one entry per streamed sample, by feed
+# index), the step whose lookup the killed run never gets past, and its last checkpoint then.
+# Validation (every 2 steps) waits for the generations in flight unless they may be paused.
+SCHEDULES = {
+    # Step 3's batch never comes: step 2 is the last to finish.
+    "sync": ("rollout", 3, 2),
+    # Batch 4, drawn and started during step 3, never comes: step 3 still finishes, and its
+    # checkpoint must record the loader before batch 4, not after.
+    "one_step_off": ("rollout", 4, 3),
+    # Sample 3 never comes: steps 1-3 train 12 of the other 15 samples, which arrive in any
+    # order; step 4 waits for a 4th. The resumed run feeds sample 3 and the 3 left untrained.
+    "fully_async": ("async_rollout", 3, 3),
+}
 
 
-@pytest.mark.parametrize(
-    ("schedule", "role"),
-    [("sync", "rollout"), ("one_step_off", "rollout"), ("fully_async", "async_rollout")],
-)
-def test_sigkill_resumes_at_the_next_step_with_the_same_data(ray_session, task_dir, tmp_path, schedule, role):
-    """A run killed after its step-2 checkpoint resumes at step 3 and sees the batches an
-    uninterrupted run sees: the prompt fingerprints of every step's (or streamed sample's)
-    cache entry match, and a resumed step whose prompts differ from its cached generation's
-    fails the run."""
-    steps = (
+def steps(schedule: str) -> tuple[str, ...]:
+    role = SCHEDULES[schedule][0]
+    return (
         "trainer.total_training_steps=4",
         "trainer.save_freq=1",
         f"trainer.schedule={schedule}",
@@ -27,23 +34,46 @@ def test_sigkill_resumes_at_the_next_step_with_the_same_data(ray_session, task_d
         f"skip.{role}.steps=[{','.join(map(str, range(1, 17)))}]",
         f"skip.{role}.on_prompt_mismatch=error",
     )
-    reference = tmp_path / "reference"
-    train(task_dir, reference, *steps)  # uninterrupted, in this process: no Ray to start
 
-    killed = tmp_path / "killed"
-    process = subprocess.Popen(command(task_dir, killed, *steps), start_new_session=True, **QUIET)
-    marker = killed / "run" / "global_step_2" / "manifest.json"
-    deadline = time.monotonic() + 300
-    while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
+
+@pytest.fixture(scope="module")
+def reference(ray_session, task_dir, tmp_path_factory):
+    """The cache fingerprints of an uninterrupted run, in this process, once per role: what a
+    trainer step or a sample sees does not depend on the schedule that trains it."""
+    found = {}
+
+    def of(schedule: str) -> dict[str, str]:
+        role = SCHEDULES[schedule][0]
+        if role not in found:
+            tmp_path = tmp_path_factory.mktemp(f"reference-{role}")
+            train(task_dir, tmp_path, *steps("sync" if role == "rollout" else schedule))
+            found[role] = fingerprints(tmp_path / "cache")
+        return found[role]
+
+    return of
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_sigkill_resumes_at_the_next_step_with_the_same_data(ray_session, reference, task_dir, tmp_path, schedule):
+    """A run killed after a checkpoint, with later steps' generations started or cached, resumes
+    right after that checkpoint and sees the batches an uninterrupted run sees: the prompt
+    fingerprints of every step's (or streamed sample's) cache entry match, and a resumed step
+    whose prompts differ from its cached generation's fails the run."""
+    role, held, last = SCHEDULES[schedule]
+    marker, checkpoint = tmp_path / "held", tmp_path / "run" / f"global_step_{last}" / "manifest.json"
+    command = held_command(task_dir, tmp_path, role, held, marker, *steps(schedule))
+    log = tmp_path / "killed.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 600  # a run that never gets there, not a slow one
+    while not (marker.exists() and checkpoint.exists()) and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     os.killpg(process.pid, signal.SIGKILL)  # the driver and its Ray processes, as a lost machine would
     process.wait()
-    assert marker.exists(), "the run ended before its step-2 checkpoint"
-    assert not (killed / "run" / "global_step_4").exists(), "the run finished before it was killed"
+    assert marker.exists() and checkpoint.exists(), log.read_text(errors="replace")[-3000:]
+    assert not (tmp_path / "run" / f"global_step_{last + 1}").exists()
 
-    resumed = subprocess.run(command(task_dir, killed, *steps), capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    resumed_at = int(resumed.stdout.split("resumed at step")[1].split()[0])
-    assert resumed_at >= 2
-    assert [row["step"] for row in metrics(killed / "run")] == [1, 2, 3, 4]
-    assert fingerprints(killed / "cache") == fingerprints(reference / "cache")
+    _, output = train(task_dir, tmp_path, *steps(schedule))  # in this process: no Ray to start
+    assert f"resumed at step {last} from" in output
+    assert [row["step"] for row in metrics(tmp_path / "run")] == [1, 2, 3, 4]
+    assert fingerprints(tmp_path / "cache") == reference(schedule)

@@ -3,7 +3,6 @@ this process or as a separate ``skip run`` (for tests that kill it). The trainer
 when a helper runs, not with this module."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -50,12 +49,41 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-QUIET = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-
-
 def command(task_dir, tmp_path, *more):
     exe = Path(sys.executable).parent / "skip"
     return [str(exe), "run", "--config-dir", str(CONFIGS), *overrides(task_dir, tmp_path, *more)]
+
+
+# `skip run` with one more plugin: its lookup of one step of a role (a trainer step's batch, or a
+# streamed sample's feed index) touches a marker file and never returns, so the run stops there.
+HELD_RUN = """
+import sys, threading
+from pathlib import Path
+from skip_core import hookimpl
+from skip_core.cli import cli
+from skip_core.plugins import load_plugins
+
+held_role, held_step, marker = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+
+
+class Hold:
+    @hookimpl(tryfirst=True)
+    def skip_precondition(self, role, step):
+        if role.name == held_role and step == held_step:
+            marker.touch()
+            threading.Event().wait()
+
+
+load_plugins().register(Hold(), name="hold")
+cli(sys.argv[4:])
+"""
+
+
+def held_command(task_dir, tmp_path, role: str, step: int, marker: Path, *more):
+    """``command``, except that the run's lookup of ``role``'s step ``step`` touches ``marker`` and
+    never returns: the run stops there for certain, as slow as the machine may be."""
+    _, *args = command(task_dir, tmp_path, *more)
+    return [sys.executable, "-c", HELD_RUN, role, str(step), str(marker), *args]
 
 
 def fingerprints(cache: Path) -> dict[str, str]:
