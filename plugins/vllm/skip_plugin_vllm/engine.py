@@ -42,7 +42,7 @@ class VLLMBackend(RolloutBackend):
         self.sleep_mode = current_platform.is_sleep_mode_available() and options.enable_sleep_mode
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="skip-vllm", daemon=True).start()
-        args = AsyncEngineArgs(**options.engine_args(self.sleep_mode))
+        args = AsyncEngineArgs(**options.engine_args(self.sleep_mode, cpu=current_platform.is_cpu()))
         self.engine = asyncio.run_coroutine_threadsafe(_start(AsyncLLM, args), self._loop).result()
         self._calls = itertools.count()  # vLLM ids must be unique; a request's turns reuse our id
         self._said_no_sleep = False

@@ -37,8 +37,9 @@ class VLLMOptions(BaseModel):
     cpu_kvcache_space_gb: PositiveInt | None = None
     model_dir: Path | None = Field(None, exclude=True)
 
-    def engine_args(self, sleep_mode: bool) -> dict[str, Any]:
-        """Keyword arguments of ``AsyncEngineArgs``; ``sleep_mode``: whether the platform has it."""
+    def engine_args(self, sleep_mode: bool, cpu: bool) -> dict[str, Any]:
+        """Keyword arguments of ``AsyncEngineArgs``; ``sleep_mode``: whether the platform has it;
+        ``cpu``: whether vLLM runs on the CPU platform."""
         args = self.model_dump(exclude={"cpu_kvcache_space_gb", "enable_sleep_mode"})
         return {
             **args,
@@ -46,6 +47,19 @@ class VLLMOptions(BaseModel):
             "enable_sleep_mode": self.enable_sleep_mode and sleep_mode,
             # Weights arrive as safetensors bytes through collective_rpc (see worker.py).
             "worker_extension_cls": "skip_plugin_vllm.worker.WeightLoader",
+            # On CPU a chunked prefill kills the engine when its request is seeded, and the
+            # agent loop seeds every request. Once the prompts waiting for a step pass its token
+            # budget (max_num_batched_tokens: 2048, which the default batch's 64 prompts do when
+            # they arrive together), the scheduler runs part of one in this step, the rest in
+            # the next. The part is still sampled, and GPUModelRunner._bookkeeping_sync discards
+            # its token; so that the draw leaves no trace in the seed's stream, it winds the
+            # request's generator back (gen.set_offset(gen.get_offset() - 4)), which a CUDA
+            # generator allows and a CPU one refuses ("CPU Generator does not use offset").
+            # Without chunking a prompt runs whole or waits for the next step (the budget is
+            # then at least max_model_len), every sampled token is kept, and a seeded request
+            # draws once per token it keeps: the same tokens whatever shares its batch.
+            # Elsewhere, vLLM's default.
+            "enable_chunked_prefill": False if cpu else None,
         }
 
 

