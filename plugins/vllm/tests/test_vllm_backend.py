@@ -14,17 +14,20 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from skip_core.backend import SamplingParams, check_backend, create_backend
 from skip_core.batch import Batch
 from skip_core.config import ConfigError
 from skip_core.plugins import registry
+from skip_core.sections import Sections, parse_sections
 from skip_plugin_arithmetic.calculator import Calculator
 from skip_plugin_arithmetic.task import problems, prompt
-from skip_plugin_trainer.rollout.agent_loop import AgentLoop, LoopConfig, MultiTurn, RolloutError
+from skip_plugin_hf.config import HFConfig
+from skip_plugin_trainer.rollout.agent_loop import AgentLoop, RolloutError
 from skip_plugin_trainer.rollout.tools import HermesParser
-from skip_plugin_trainer.train.policy import ActorConfig, Policy
+from skip_plugin_trainer.settings import ActorConfig, LoopConfig, MultiTurn
+from skip_plugin_trainer.train.policy import Policy
+from skip_plugin_vllm.options import VLLMOptions
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=48)
 ENGINE = {"dtype": "float32", "max_model_len": 512, "enforce_eager": True, "cpu_kvcache_space_gb": 1}
@@ -37,13 +40,13 @@ def loop():
     event_loop.close()
 
 
-def section(model_dir, **engine):
-    return OmegaConf.create({"model_path": str(model_dir), "engine_kwargs": {"vllm": {**ENGINE, **engine}}})
+def sections(**engine) -> Sections:
+    return Sections(VLLMOptions(**{**ENGINE, **engine}))
 
 
 @pytest.fixture(scope="module")
 def vllm(tiny_model_dir, loop):
-    backend = create_backend("vllm", section(tiny_model_dir))
+    backend = create_backend("vllm", sections(), tiny_model_dir)
     yield backend
     loop(backend.shutdown())
 
@@ -52,14 +55,14 @@ def vllm(tiny_model_dir, loop):
 def compiled(tiny_model_dir, loop):
     """The module's engine with its model compiled (enforce_eager=false, the default): other
     kernels, the same contract."""
-    backend = create_backend("vllm", section(tiny_model_dir, enforce_eager=False))
+    backend = create_backend("vllm", sections(enforce_eager=False), tiny_model_dir)
     yield backend
     loop(backend.shutdown())
 
 
 @pytest.fixture(scope="module")
 def hf(tiny_model_dir, loop):
-    backend = create_backend("hf", OmegaConf.create({"model_path": str(tiny_model_dir), "hf": {"device": "cpu"}}))
+    backend = create_backend("hf", Sections(HFConfig(device="cpu")), tiny_model_dir)
     yield backend
     loop(backend.shutdown())
 
@@ -92,7 +95,7 @@ def noisy(tiny_model_dir):
 @contextmanager
 def weights(loop, state, *backends):
     """The backends hold ``state`` inside the block, the model's own weights again after it."""
-    original = load_file(backends[0].options.model_dir / "model.safetensors")
+    original = load_file(backends[0].model_dir / "model.safetensors")
     try:
         for backend in backends:
             loop(backend.update_weights(state))
@@ -143,7 +146,7 @@ def check_sampling(loop, vllm, prompts):
 def vllm_tokenizer(backend):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(backend.options.model_dir)
+    return AutoTokenizer.from_pretrained(backend.model_dir)
 
 
 def test_sampled_log_probs_match_the_trainers_recomputation(tiny_model_dir, vllm):
@@ -279,6 +282,16 @@ def test_sleep_and_wake_up_are_no_ops_on_cpu_said_once(loop, vllm, prompts, capl
         ({"gpu_memory_utilization": 1.5}, r"rollout\.engine_kwargs\.vllm\.gpu_memory_utilization"),
     ],
 )
-def test_bad_engine_options_fail_in_the_driver_naming_the_key(tiny_model_dir, engine, message):
+def test_bad_engine_options_fail_at_start_naming_the_key(engine, message):
+    config = {"rollout": {"engine_kwargs": {"vllm": engine}}}
     with pytest.raises(ConfigError, match=message):
-        check_backend("vllm", section(tiny_model_dir, **engine), registry().backends)
+        parse_sections(config, {"rollout.engine_kwargs.vllm": registry().sections["rollout.engine_kwargs.vllm"]})
+
+
+def test_the_driver_refuses_the_backend_where_vllm_is_not_installed(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"^rollout\.backend: 'vllm' needs vLLM, .*skip-plugin-vllm\[cpu\]"):
+        check_backend("vllm", Sections(VLLMOptions()), registry().backends)
