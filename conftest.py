@@ -3,6 +3,7 @@
 
 import os
 import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -14,6 +15,15 @@ from skiptests import ROOT, Generator, HeldDumps
 # Python's and pytest's own caches; everything else a test writes belongs in a temporary directory.
 TOOL_CACHES = ("__pycache__/", ".pytest_cache/")
 _TREE = pytest.StashKey[set]()
+_BUSY = pytest.StashKey[list]()
+# A pure-Python busy loop that ends with the pytest process that started it (even a killed one).
+BUSY_LOOP = """
+import os, sys
+parent = int(sys.argv[1])
+while os.getppid() == parent:
+    for _ in range(100_000):
+        pass
+"""
 
 # hypothesis keeps its example database and constants cache in ./.hypothesis: give it a temporary home.
 _HYPOTHESIS_HOME = tempfile.TemporaryDirectory(prefix="skip-tests-hypothesis-")
@@ -30,17 +40,65 @@ def _tree_files() -> set[str] | None:
     return {line[3:] for line in out.splitlines() if not any(cache in line for cache in TOOL_CACHES)}
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--busy",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run N busy-loop processes beside the tests for the whole session: a loaded machine "
+        "(CI runs the tests marked `loaded` again with --busy 2)",
+    )
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "loaded: asserts an ordering that concurrency decides (processes, threads, a SIGKILL); "
+        "it must pass on a busy machine, and CI runs it again beside two busy-loop processes (--busy 2)",
+    )
+
+
+def pytest_report_header(config):
+    busy = config.getoption("busy")
+    return [f"busy: {busy} busy-loop processes beside the tests"] if busy else []
+
+
 def pytest_sessionstart(session):
     session.config.stash[_TREE] = _tree_files()
+    busy = session.config.getoption("busy")
+    session.config.stash[_BUSY] = [
+        subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(os.getpid())]) for _ in range(busy)
+    ]
+
+
+def _stop_busy(config) -> bool:
+    """Stop the busy loops; whether they all ran to the end (a loop that died left the machine idle)."""
+    processes = config.stash.get(_BUSY, [])
+    config.stash[_BUSY] = []
+    ran = all(process.poll() is None for process in processes)
+    for process in processes:
+        process.kill()
+        process.wait()
+    return ran
+
+
+def pytest_unconfigure(config):
+    _stop_busy(config)  # also after an interrupted session
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Fail the run if the suite left files in the checkout: tests write only under temporary directories."""
+    """Stop the busy loops; fail the run if the suite left files in the checkout: tests write
+    only under temporary directories."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if not _stop_busy(session.config):
+        reporter.ensure_newline()
+        reporter.write_line("ERROR: a --busy process ended before the tests did", red=True, bold=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
     before = session.config.stash.get(_TREE, None)
     after = _tree_files() if before is not None else None
     stray = sorted(after - before) if after is not None else []
     if stray:
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         listing = "\n  ".join(stray[:20]) + (f"\n  ... and {len(stray) - 20} more" if len(stray) > 20 else "")
         reporter.ensure_newline()
         reporter.write_line(f"ERROR: the test suite left files in the checkout:\n  {listing}", red=True, bold=True)
@@ -114,7 +172,10 @@ def ray_session():
     path = os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
     setup = "scripted_model.register_held_backend"
     runtime_env = {"env_vars": {"PYTHONPATH": path}, "worker_process_setup_hook": setup}
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
+    # Ray starts its workers at nice 15: beside any other busy process they would get a
+    # thirtieth of a CPU, and the suite's runs would slow down 30-fold on a loaded machine.
+    system = {"worker_niceness": 0}
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env, _system_config=system)
     yield
     ray.shutdown()
 

@@ -20,6 +20,8 @@ from click.testing import CliRunner
 from skip_core import encoding, spans
 from skip_core.cli import cli
 from skip_core.config import ConfigError
+from skip_core.plugins import registry
+from skip_core.sections import parse_sections
 from skip_core.store import scan
 from skip_plugin_profiling.recorder import ProfilingWarning, Recorder
 from skip_plugin_trainer.commands import compose_config
@@ -122,6 +124,7 @@ def test_a_training_run_profiles_the_driver_and_every_rollout_worker(ray_session
     assert (tmp_path / "run" / "profile" / "val_step_1").is_dir()  # the final validation, apart
 
 
+@pytest.mark.loaded
 def test_threads_and_tasks_write_every_span_with_their_own_context(tmp_path):
     recorder = Recorder(tmp_path, worker=3, flush_interval_s=0.01)
     spans.attach(recorder)
@@ -187,6 +190,7 @@ def child(tmp_path: Path, interval: float, count: int) -> subprocess.Popen:
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
+@pytest.mark.loaded
 @pytest.mark.slow
 def test_an_exception_loses_no_span(tmp_path):
     process = child(tmp_path, interval=5.0, count=2000)  # no periodic flush before the end
@@ -223,6 +227,7 @@ def written(path: Path) -> list[int]:
     return [json.loads(line)["extra"]["index"] for line in text.splitlines(keepends=True) if line.endswith("\n")]
 
 
+@pytest.mark.loaded
 @pytest.mark.slow
 def test_sigkill_loses_only_the_spans_since_the_last_flush(tmp_path):
     """The flush thread writes on its own while the process records nothing (no exit, no close);
@@ -298,7 +303,7 @@ def test_without_a_sink_spans_cost_nothing_and_record_nothing(tmp_path):
 )
 def test_bad_profiling_config_names_the_key(section, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        spans.configure({"profiling": section}, worker=0)
+        spans.configure(parse_sections({"profiling": section}, registry().sections), worker=0)
 
 
 def test_profiling_enabled_without_the_plugin_says_what_to_install(monkeypatch):
@@ -309,7 +314,7 @@ def test_profiling_enabled_without_the_plugin_says_what_to_install(monkeypatch):
     try:
         hint = r"install skip-plugin-profiling from a clone .*: pip install \./plugins/profiling"
         with pytest.raises(ConfigError, match=hint):
-            spans.configure({"profiling": {"enable": True}}, worker=0)
+            spans.configure(parse_sections({"profiling": {"enable": True}}, registry().sections), worker=0)
     finally:
         monkeypatch.delenv("SKIP_PLUGINS")
         plugins._reset_for_tests()

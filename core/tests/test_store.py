@@ -240,6 +240,7 @@ def _entry_after_sigkill(store: CacheStore, expected: list[Batch]) -> int | None
     return index
 
 
+@pytest.mark.loaded
 @pytest.mark.slow
 def test_sigkill_at_every_durable_step_of_a_dump_leaves_the_old_entry_the_new_one_or_none(tmp_path):
     """A first dump and then its replacement, killed before each fsync and rename in turn: the
@@ -267,6 +268,7 @@ def test_sigkill_at_every_durable_step_of_a_dump_leaves_the_old_entry_the_new_on
     assert outcomes[-1] == 1 and any(left_over)
 
 
+@pytest.mark.loaded
 @pytest.mark.slow
 def test_sigkill_at_a_random_instant_never_leaves_a_loadable_partial_entry(tmp_path):
     """Kills wherever they land, mid-write included; which instants they hit does not matter."""
@@ -294,6 +296,7 @@ def _dump_n_times(root: str, seed: int, start) -> None:
         store.save(7, batch)
 
 
+@pytest.mark.loaded
 @pytest.mark.slow
 def test_concurrent_dumps_from_processes_end_with_one_complete_entry(tmp_path):
     ctx = multiprocessing.get_context("fork")

@@ -43,6 +43,7 @@ def test_staleness_zero_and_a_sync_per_update_reproduce_the_sync_schedule(ray_se
     assert all(row["actor/grad_norm"] > 0 for row in synced)
 
 
+@pytest.mark.loaded
 @pytest.mark.parametrize(("trigger", "threshold"), [(2, 0.5)])
 def test_trajectories_stay_within_the_staleness_bound(ray_session, task_dir, tmp_path, trigger, threshold):
     train(
@@ -63,6 +64,7 @@ def test_trajectories_stay_within_the_staleness_bound(ray_session, task_dir, tmp
     assert all("timing_s/param_sync" in row for row in rows[1::2])
 
 
+@pytest.mark.loaded
 def test_partial_rollout_continues_interrupted_samples_with_the_new_weights(
     ray_session, held_backend, task_dir, tmp_path
 ):
@@ -82,6 +84,7 @@ def test_partial_rollout_continues_interrupted_samples_with_the_new_weights(
     assert max(row["fully_async/partial/max_partial_span"] for row in rows) >= 1  # it went on with new weights
 
 
+@pytest.mark.loaded
 def test_validation_with_partial_rollout_pauses_the_samples_in_flight_instead_of_waiting(
     ray_session, held_backend, task_dir, tmp_path
 ):

@@ -53,6 +53,7 @@ def profiled(ray_session, task_dir, tmp_path_factory) -> Profiled:
     return Profiled(tmp_path, trainer, metrics(tmp_path / "run"), driver, rollouts, phases)
 
 
+@pytest.mark.loaded
 def test_batches_train_exactly_one_update_stale_with_one_weight_push_per_step(profiled):
     rows, rollouts = profiled.rows, profiled.rollouts
     # Batch 1 comes from the starting weights; every later one from the weights one update back.
@@ -74,6 +75,7 @@ def test_batches_train_exactly_one_update_stale_with_one_weight_push_per_step(pr
         assert all(end(push) <= r["start"] or push["start"] >= end(r) for r in rollouts.values())
 
 
+@pytest.mark.loaded
 def test_generation_overlaps_training(profiled):
     """Batch k+1 generates while step k updates the actor; the step's ``gen`` is only the wait
     for a batch whose generation was already under way (ordering of spans, not durations)."""

@@ -168,6 +168,7 @@ def test_prompt_over_prompt_length_fails_the_batch_naming_it(tokenizer):
     loop.shutdown()
 
 
+@pytest.mark.loaded
 def test_output_is_ordered_by_prompt_then_sample(tokenizer):
     questions = [f"question {i}" for i in range(6)]
     backend = ScriptedBackend(
@@ -195,6 +196,7 @@ def test_a_raising_tool_answers_with_the_error_and_the_rollout_goes_on(tokenizer
     assert out.non_tensor_batch["num_turns"].tolist() == [2]
 
 
+@pytest.mark.loaded
 def test_tool_lifecycle_uses_per_sample_kwargs_and_runs_calls_concurrently(tokenizer):
     tool = Recorder(pause=0.1)
     two_calls = "".join(f'<tool_call>{{"name": "recorder", "arguments": {{"x": {x}}}}}</tool_call>' for x in (1, 2))
@@ -235,6 +237,7 @@ def test_a_call_to_a_tool_the_sample_does_not_have_gets_an_error_response(tokeni
     assert out.non_tensor_batch["messages"][0][2]["content"] == "Error: no tool named 'search' (available: calculator)"
 
 
+@pytest.mark.loaded
 def test_backend_timeout_fails_the_batch_without_hanging_and_cancels_the_rest(tokenizer):
     tool = Recorder()
     backend = ScriptedBackend(tokenizer, lambda q, turn: ScriptedBackend.HANG if q == "hang" else "Answer: 1")
@@ -341,6 +344,7 @@ def test_async_rollout_role_loads_each_sample_by_its_feed_index(tokenizer, tmp_p
     assert all(o.batch["response_mask"].sum() > 0 for o in outputs[1])
 
 
+@pytest.mark.loaded
 def test_a_weight_update_with_interrupt_continues_requests_in_flight_with_the_new_weights(tokenizer, tiny_model_dir):
     """Partial rollout on the real hf engine: requests cut by the pause finish from their tokens
     so far, and each sample records the weight versions it was generated with."""

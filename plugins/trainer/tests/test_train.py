@@ -151,7 +151,7 @@ def cli_run(*args):
         ("trainer.schedule=mine", "trainer.schedule: unknown schedule 'mine' (installed: "),
         ("reward.function=mine", "reward.function: unknown reward function 'mine' (installed: task)"),
         ("algorithm.adv_estimator=ppo", "algorithm.adv_estimator"),
-        ("trainer.logger=[console,mlflow]", "trainer.logger: unknown logger 'mlflow'; allowed: console, jsonl"),
+        ("trainer.logger=[console,mlflow]", "trainer.logger[1]: expected 'console', 'jsonl', 'tensorboard' or 'wandb'"),
         ("trainer.resume_mode=resume_path", "trainer.resume_from_path: required"),
         ("resources.rollout.workers=3", "resources.rollout.workers: 3 workers cannot split data.train_batch_size=4"),
         ("data.train_batch_size=0", "data.train_batch_size: expected an integer > 0, got 0"),
@@ -162,6 +162,7 @@ def cli_run(*args):
         ("rollout.top_p=2", "rollout.top_p"),
     ],
 )
+@pytest.mark.loaded
 def test_bad_input_fails_before_the_first_step(task_dir, tmp_path, monkeypatch, override, message):
     started = []  # Trainer.start joins Ray, places the pools and loads the model: none of it may happen
     start = Trainer.start
