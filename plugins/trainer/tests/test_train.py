@@ -3,6 +3,9 @@ checkpoints, and the checks that fail before the first step (resume after SIGKIL
 tests/test_resume.py)."""
 
 import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,21 +19,55 @@ from skip_plugin_trainer.train.trainer import Trainer
 from skiptests import CONFIGS
 from training import metrics, overrides, train
 
+# The 5-step test model scores 0 everywhere, so advantages are 0: the entropy bonus and the KL
+# loss (with its reference model) give the update something to do. Both the rollouts and the
+# reference log-probs of the two steps are cached.
+KL_RUN = (
+    "trainer.total_training_steps=2",
+    "trainer.save_freq=1",
+    "trainer.test_freq=2",
+    "actor.entropy_coeff=0.01",
+    "actor.use_kl_loss=true",
+    "skip.rollout.enable=true",
+    "skip.ref_log_prob.enable=true",
+    "skip.ref_log_prob.steps=[1,2]",
+)
 
-def test_two_steps_train_then_the_cache_replays_generation(ray_session, task_dir, tmp_path):
-    # The 5-step test model scores 0 everywhere, so advantages are 0: the entropy bonus and the
-    # KL loss (with its reference model) give the update something to do.
-    cached = (
-        "trainer.total_training_steps=2",
-        "skip.rollout.enable=true",
-        "trainer.save_freq=1",
-        "trainer.test_freq=2",
-        "actor.entropy_coeff=0.01",
-        "actor.use_kl_loss=true",
-    )
-    trainer, output = train(task_dir, tmp_path, *cached)
-    assert trainer.rollout.calls == 3  # two training batches and one validation
-    rows = metrics(tmp_path / "run")
+
+@dataclass
+class Run:
+    directory: Path
+    trainer: Any
+    output: str
+    rows: list[dict]
+
+
+def kl_run(task_dir, directory: Path, cache: Path, *more) -> Run:
+    """``KL_RUN`` in ``directory``, both roles caching in ``cache`` (beside each other: roles never collide)."""
+    roles = (f"skip.rollout.dump_dir={cache}", f"skip.ref_log_prob.dump_dir={cache}")
+    trainer, output = train(task_dir, directory, *KL_RUN, *roles, *more)
+    return Run(directory, trainer, output, metrics(directory / "run"))
+
+
+@pytest.fixture(scope="module")
+def first(ray_session, task_dir, tmp_path_factory) -> Run:
+    """The two steps, generating and caching; shared by the tests that read or replay them."""
+    directory = tmp_path_factory.mktemp("first")
+    return kl_run(task_dir, directory, directory / "cache")
+
+
+@pytest.fixture(scope="module")
+def replayed(first, task_dir, tmp_path_factory) -> Run:
+    """The same two steps in a run directory of their own, every rollout and reference log-prob
+    loaded from ``first``'s cache; profiled."""
+    directory = tmp_path_factory.mktemp("replayed")
+    profile = ("profiling.enable=true", f"profiling.dir={directory / 'profile'}")
+    return kl_run(task_dir, directory, first.directory / "cache", *profile)
+
+
+def test_two_steps_train_then_the_cache_replays_generation(first, replayed):
+    assert first.trainer.rollout.calls == 3  # two training batches and one validation
+    rows, run = first.rows, first.directory / "run"
     assert [row["step"] for row in rows] == [1, 2]
     for row in rows:
         assert 0 <= row["critic/score/mean"] <= 1 and row["actor/grad_norm"] > 0
@@ -39,48 +76,30 @@ def test_two_steps_train_then_the_cache_replays_generation(ray_session, task_dir
     # Step 1's second mini-batch already runs on updated weights: the policy left the reference.
     assert all(row["actor/kl_loss"] > 0 for row in rows)
     assert "val/score/mean" in rows[1] and "val/score/mean" not in rows[0]
-    assert (tmp_path / "run" / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert sorted(p.name for p in (tmp_path / "run").glob("global_step_*")) == ["global_step_1", "global_step_2"]
-    assert "skip run" in output and "score" in output
-    entries = sorted(scan(tmp_path / "cache"))
+    assert (run / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in run.glob("global_step_*")) == ["global_step_1", "global_step_2"]
+    assert "skip run" in first.output and "score" in first.output
+    entries = [p for p in sorted(scan(first.directory / "cache")) if verify(p)["role"] == "rollout"]
     assert [p.name for p in entries] == ["1", "2"]  # validation is never cached
     assert all(verify(p)["samples"] == 8 for p in entries)
 
-    again, _ = train(task_dir, tmp_path, *cached, "trainer.resume_mode=disable")
-    assert again.rollout.calls == 1  # only validation reached the workers
-    replayed = metrics(tmp_path / "run")
-    for first, second in zip(rows, replayed, strict=True):
+    assert replayed.trainer.rollout.calls == 1  # only validation reached the workers
+    for generated, loaded in zip(rows, replayed.rows, strict=True):
         # Same rollouts from the cache and the same start weights: the same first update.
-        assert second["critic/score/mean"] == first["critic/score/mean"]
-        assert second["response_length/mean"] == first["response_length/mean"]
-    assert replayed[0]["actor/pg_loss"] == pytest.approx(rows[0]["actor/pg_loss"], abs=1e-6)
+        assert loaded["critic/score/mean"] == generated["critic/score/mean"]
+        assert loaded["response_length/mean"] == generated["response_length/mean"]
+    assert replayed.rows[0]["actor/pg_loss"] == pytest.approx(rows[0]["actor/pg_loss"], abs=1e-6)
 
 
-def test_the_ref_log_prob_role_replays_the_reference_exactly(ray_session, task_dir, tmp_path):
+def test_the_ref_log_prob_role_replays_the_reference_exactly(first, replayed):
     """A second role, from plugin_template: replayed reference log-probs give the same KL and losses."""
-    kl = (
-        "trainer.total_training_steps=2",
-        "trainer.test_freq=-1",
-        "trainer.resume_mode=disable",
-        "actor.use_kl_loss=true",
-        "actor.entropy_coeff=0.01",
-        "skip.rollout.enable=true",
-        "skip.ref_log_prob.enable=true",
-        "skip.ref_log_prob.steps=[1,2]",
-        f"skip.ref_log_prob.dump_dir={tmp_path / 'cache'}",  # beside the rollout's: roles never collide
-    )
-    train(task_dir, tmp_path, *kl)
-    rows = metrics(tmp_path / "run")
-    roles = sorted((verify(p)["role"], int(p.name)) for p in scan(tmp_path / "cache"))
+    roles = sorted((verify(p)["role"], int(p.name)) for p in scan(first.directory / "cache"))
     assert roles == [("ref_log_prob", 1), ("ref_log_prob", 2), ("rollout", 1), ("rollout", 2)]
-
-    train(task_dir, tmp_path, *kl, "profiling.enable=true", f"profiling.dir={tmp_path / 'profile'}")
-    replayed = metrics(tmp_path / "run")
     for key in ("actor/kl_loss", "actor/pg_loss", "actor/grad_norm"):
-        assert replayed[0][key] == pytest.approx(rows[0][key], rel=1e-6, abs=1e-9), key
+        assert replayed.rows[0][key] == pytest.approx(first.rows[0][key], rel=1e-6, abs=1e-9), key
     lookups = [
         event
-        for path in sorted((tmp_path / "profile").glob("step_*/worker_-1.jsonl"))
+        for path in sorted((replayed.directory / "profile").glob("step_*/worker_-1.jsonl"))
         for event in map(json.loads, path.read_text().splitlines())
         if event["event"] == "skip_lookup" and event["extra"].get("role") == "ref_log_prob"
     ]
@@ -122,15 +141,20 @@ def test_a_finished_run_says_so_in_one_line_and_a_changed_one_is_not_resumed(ray
     assert message.endswith("(trainer.default_local_dir=...) or start over here (trainer.resume_mode=disable)")
 
 
-def test_two_rollout_workers_sample_what_one_samples(ray_session, task_dir, tmp_path):
-    """Each worker seeds its rows by their index in the whole batch, so the split changes nothing."""
-    step = ("trainer.total_training_steps=1", "skip.rollout.enable=true")
-    train(task_dir, tmp_path / "one", *step)
+def test_two_rollout_workers_sample_what_one_samples(first, task_dir, tmp_path):
+    """Each worker seeds its rows by their index in the whole batch, so the split changes nothing:
+    step 1 of ``first`` (one worker; its updates come after) against a run with two."""
     two, _ = train(
-        task_dir, tmp_path / "two", *step, "resources.rollout.workers=2", "resources.rollout.cpus_per_worker=0.5"
+        task_dir,
+        tmp_path,
+        "trainer.total_training_steps=1",
+        "skip.rollout.enable=true",
+        "resources.rollout.workers=2",
+        "resources.rollout.cpus_per_worker=0.5",
     )
     assert two.rollout.calls == 2 and len(two.rollout.workers) == 2  # the step and the final validation
-    (one_entry,), (two_entry,) = scan(tmp_path / "one" / "cache"), scan(tmp_path / "two" / "cache")
+    (two_entry,) = scan(tmp_path / "cache")
+    (one_entry,) = [p for p in scan(first.directory / "cache") if verify(p)["role"] == "rollout" and p.name == "1"]
     one_batch, two_batch = encoding.read(one_entry), encoding.read(two_entry)
     assert torch.equal(one_batch.batch["responses"], two_batch.batch["responses"])
     assert two_batch.meta_info["rollout"]["requests"] == 8
