@@ -43,22 +43,34 @@ def test_staleness_zero_and_a_sync_per_update_reproduce_the_sync_schedule(ray_se
     assert all(row["actor/grad_norm"] > 0 for row in synced)
 
 
+# Six steps syncing every second update, streaming ahead by half a window; every sample cached.
+BOUNDED = (
+    *FULLY_ASYNC,
+    "trainer.total_training_steps=6",
+    "async_training.trigger_parameter_sync_step=2",
+    "async_training.staleness_threshold=0.5",
+    "skip.async_rollout.enable=true",
+    f"skip.async_rollout.steps=[{','.join(map(str, range(1, 25)))}]",
+)
+
+
+@pytest.fixture(scope="module")
+def bounded(ray_session, task_dir, tmp_path_factory):
+    """The ``BOUNDED`` run: its trainer, metrics and cache, for the tests that read or replay it."""
+    tmp_path = tmp_path_factory.mktemp("bounded")
+    trainer, _ = train(task_dir, tmp_path, *BOUNDED)
+    return trainer, metrics(tmp_path / "run"), tmp_path / "cache"
+
+
 @pytest.mark.loaded
-@pytest.mark.parametrize(("trigger", "threshold"), [(2, 0.5)])
-def test_trajectories_stay_within_the_staleness_bound(ray_session, task_dir, tmp_path, trigger, threshold):
-    train(
-        task_dir,
-        tmp_path,
-        *FULLY_ASYNC,
-        "trainer.total_training_steps=6",
-        f"async_training.trigger_parameter_sync_step={trigger}",
-        f"async_training.staleness_threshold={threshold}",
-    )
-    rows = metrics(tmp_path / "run")
+def test_trajectories_stay_within_the_staleness_bound(bounded):
+    _, rows, _ = bounded
+    trigger, threshold = 2, 0.5
     # A sample waits behind at most (1 + threshold) x trigger updates' worth, generated with
     # weights at most trigger - 1 updates older than those current when it was fed.
     bound = math.ceil((1 + threshold) * trigger) + trigger - 1
     assert max(row["training/staleness_max"] for row in rows) <= bound
+    # Step 2 trains on weights updated once, with samples the engines generated before any sync.
     assert max(row["training/staleness_max"] for row in rows) >= 1  # it did stream ahead
     assert [row["fully_async/count/current_param_version"] for row in rows] == [0, 2, 2, 4, 4, 6]
     assert all("timing_s/param_sync" in row for row in rows[1::2])
@@ -116,19 +128,12 @@ def test_a_failing_rollout_fails_the_run_with_its_error(task_dir, tmp_path):
     assert not (tmp_path / "run" / "plot.png").exists()  # no report of a run that did not finish
 
 
-def test_the_async_rollout_role_caches_every_sample_and_a_second_run_loads_them(ray_session, task_dir, tmp_path):
-    cached = (
-        *FULLY_ASYNC,
-        "trainer.total_training_steps=2",
-        "skip.async_rollout.enable=true",
-        "skip.async_rollout.steps=[1,2,3,4,5,6,7,8]",
-        f"skip.async_rollout.dump_dir={tmp_path / 'cache'}",
-    )
-    first, _ = train(task_dir, tmp_path, *cached)
-    assert sorted(int(p.name) for p in scan(tmp_path / "cache")) == list(range(1, 9))
-    assert {verify(p)["role"] for p in scan(tmp_path / "cache")} == {"async_rollout"}
-    again, _ = train(task_dir, tmp_path, *cached)
-    assert first.rollout.calls == 8 and again.rollout.calls == 0
+def test_the_async_rollout_role_caches_every_sample_and_a_second_run_loads_them(bounded, task_dir, tmp_path):
+    first, _, cache = bounded
+    assert sorted(int(p.name) for p in scan(cache)) == list(range(1, 25))  # 6 steps x 4 samples
+    assert {verify(p)["role"] for p in scan(cache)} == {"async_rollout"}
+    again, _ = train(task_dir, tmp_path, *BOUNDED, f"skip.async_rollout.dump_dir={cache}")
+    assert first.rollout.calls == 24 and again.rollout.calls == 0
 
 
 @pytest.mark.parametrize(
