@@ -39,7 +39,8 @@ def test_a_missing_section_takes_its_defaults_and_a_required_key_is_named():
 
 
 def test_a_mistyped_key_names_the_allowed_ones_and_the_closest():
-    with pytest.raises(ConfigError, match=r"^outer\.nn: unknown key \(allowed: engines, n, name\); did you mean outer\.n\?$"):
+    message = r"^outer\.nn: unknown key \(allowed: engines, n, name\); did you mean outer\.n\?$"
+    with pytest.raises(ConfigError, match=message):
         parse_sections({"outer": {"nn": 2}}, DECLARED)
 
 

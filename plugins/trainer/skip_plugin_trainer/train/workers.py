@@ -78,8 +78,10 @@ class Cluster:
         resources = settings.resources
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
-            options = {"address": address} if address else {"num_cpus": resources.num_cpus}
-            ray.init(**options, include_dashboard=False, log_to_driver=True)
+            # Ray starts workers at nice 15 to keep its driver responsive; here the workers do all
+            # the run's work, and at 15 beside any other busy process they get a sliver of a CPU.
+            local = {"num_cpus": resources.num_cpus, "_system_config": {"worker_niceness": 0}}
+            ray.init(**({"address": address} if address else local), include_dashboard=False, log_to_driver=True)
         pools = [
             ("rollout", "resources.rollout", resources.rollout.workers, resources.rollout.cpus_per_worker),
             ("actor", "resources.actor", 1, resources.actor.cpus),
@@ -91,7 +93,6 @@ class Cluster:
         threads = resources.threads(rollout.cpus, overlapped, together=resources.rollout.workers)
         # Many concurrent calls per worker: streamed samples each wait in one; the engine batches them.
         workers = rollout.spawn(RolloutWorker, settings, threads, Pool.RANK, concurrency=STREAMED_PER_WORKER)
-        self.rollout = RolloutGroup(workers)
         (self.actor,) = actor.spawn(
             Policy,
             str(settings.model_path()),
@@ -102,6 +103,9 @@ class Cluster:
             seed=settings.trainer.seed,
             threads=resources.threads(actor.cpus, overlapped),
         )
+        # Both pools load their models side by side; the first step's timing is then the step's.
+        ray.get([worker.__ray_ready__.remote() for pool in self.pools for worker in pool.actors])
+        self.rollout = RolloutGroup(workers)
 
     def close(self) -> None:
         """Let the rollout workers stop their engines and write their profiles, then free the pools."""
@@ -142,7 +146,8 @@ class Pool:
             raise ConfigError(_unplaceable(key, name, bundles, cpus))
 
     def spawn(self, cls: type, *args: Any, concurrency: int = 1, **kwargs: Any) -> list[Any]:
-        """One ``cls`` actor per bundle; ``concurrency`` calls may run in one actor at a time (threads)."""
+        """One ``cls`` actor per bundle, its constructor started (``__ray_ready__`` says when it is
+        done); ``concurrency`` calls may run in one actor at a time (threads)."""
         remote = ray.remote(cls)
         for index in range(self.group.bundle_count):
             strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index)
@@ -151,8 +156,6 @@ class Pool:
             )
             ranked = [index if a is Pool.RANK else a for a in args]
             self.actors.append(actor.remote(*ranked, **{k: index if v is Pool.RANK else v for k, v in kwargs.items()}))
-        # Wait for the constructors (model loading), so the first step's timing is the step's.
-        ray.get([actor.__ray_ready__.remote() for actor in self.actors])
         return self.actors
 
     def close(self) -> None:
