@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,56 @@ def record_batches(backend: HFBackend) -> list[tuple[int, int]]:
 async def until(condition) -> None:
     while not condition():
         await asyncio.sleep(0.001)
+
+
+class HeldPass:
+    """The engine's ``k``-th forward pass, held on its worker thread until ``release()``.
+
+    While it is held the engine can take no further step: its wave is running, its rows have
+    ``k - 1`` tokens, and nothing the test does meanwhile (cancel, submit, pause, shut down)
+    races with the engine, however loaded the machine. After ``release()`` the engine sees the
+    pass end only on a later turn of the event loop, so an action called right after it, with
+    no ``await`` between, starts before the engine takes its ``k``-th token: a pause or a
+    shutdown (which set their flag before they first wait) then stops the wave exactly there.
+    """
+
+    def __init__(self, backend: HFBackend, k: int):
+        self.k = k
+        self.passes = 0
+        self._reached, self._released = threading.Event(), threading.Event()
+        backend.model.register_forward_hook(self._hold)
+
+    def _hold(self, module, args, output) -> None:
+        self.passes += 1
+        if self.passes == self.k:
+            self._reached.set()
+            self._released.wait()
+
+    async def reached(self, request: asyncio.Task) -> None:
+        """Until the engine is inside the held pass; fails, not hangs, if ``request`` ends first."""
+        await until(lambda: self._reached.is_set() or request.done())
+        assert self._reached.is_set(), f"the request ended before forward pass {self.k}"
+
+    def release(self) -> None:
+        self._released.set()
+
+
+@pytest.fixture
+def hold_pass():
+    """``hold_pass(backend, k)`` holds that backend's ``k``-th forward pass (``HeldPass``).
+
+    Every hold is released when the test ends, passed or failed: a worker thread left
+    waiting in the hook would keep the interpreter from exiting.
+    """
+    made: list[HeldPass] = []
+
+    def hold(backend: HFBackend, k: int) -> HeldPass:
+        made.append(HeldPass(backend, k))
+        return made[-1]
+
+    yield hold
+    for held in made:
+        held.release()
 
 
 def direct_log_probs(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
@@ -228,14 +279,19 @@ def test_concurrent_requests_are_prefilled_in_one_batch(tiny_hf_model_dir):
     assert [len(out) for out in outs] == [1] * 16
 
 
-def test_requests_arriving_during_a_wave_are_batched_in_the_next(tiny_hf_model_dir):
+@pytest.mark.loaded
+def test_requests_arriving_during_a_wave_are_batched_in_the_next(tiny_hf_model_dir, hold_pass):
     backend = make_backend(tiny_hf_model_dir)
     seen = record_batches(backend)
+    held = hold_pass(backend, 1)  # the first wave's prefill: the late requests arrive while it runs
 
     async def main():
-        long = asyncio.create_task(backend.generate([1, 5], SamplingParams(max_new_tokens=40, temperature=0), "long"))
-        await until(lambda: seen)
-        late = [backend.generate(p, SamplingParams(max_new_tokens=4, temperature=0), "late") for p in prompts(3)]
+        long = asyncio.create_task(backend.generate([1, 5], SamplingParams(max_new_tokens=8, temperature=0), "long"))
+        await held.reached(long)
+        params = SamplingParams(max_new_tokens=4, temperature=0)
+        late = [asyncio.create_task(backend.generate(p, params, "late")) for p in prompts(3)]
+        await asyncio.sleep(0)  # one turn: all three are queued
+        held.release()
         return await asyncio.gather(long, *late)
 
     asyncio.run(main())
@@ -277,19 +333,22 @@ def test_a_seeded_request_samples_the_same_alone_or_in_a_batch(tiny_hf_model_dir
 # -- cancel, shutdown, errors --------------------------------------------------------------
 
 
-def test_a_cancelled_request_leaves_the_batch_and_the_others_complete(tiny_hf_model_dir):
+@pytest.mark.loaded
+def test_a_cancelled_request_leaves_the_batch_and_the_others_complete(tiny_hf_model_dir, hold_pass):
     backend = make_backend(tiny_hf_model_dir)
     seen = record_batches(backend)
+    held = hold_pass(backend, 2)  # the wave's second pass: both rows are running when one is cancelled
 
     async def main():
         params = SamplingParams(max_new_tokens=30, temperature=0)
         kept = asyncio.create_task(backend.generate([1, 5, 6], params, "kept"))
         doomed = asyncio.create_task(backend.generate([1, 7, 8], params, "doomed"))
-        await until(lambda: len(seen) >= 2)
+        await held.reached(kept)
         queued = asyncio.create_task(backend.generate([1, 9], params, "queued"))
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one turn: it is queued behind the running wave
         doomed.cancel()
         queued.cancel()
+        held.release()
         out = await kept
         await asyncio.gather(doomed, queued, return_exceptions=True)
         return out, doomed, queued
@@ -297,58 +356,65 @@ def test_a_cancelled_request_leaves_the_batch_and_the_others_complete(tiny_hf_mo
     [out], doomed, queued = asyncio.run(main())
     assert doomed.cancelled() and queued.cancelled()
     assert out.finish_reason == "length" and len(out.token_ids) == 30
-    assert seen[-1][0] == 1  # the cancelled row was dropped from the batch
+    # Both rows in the prefill and the held pass; from the next pass on the cancelled row is gone.
+    assert seen == [(2, 3), (2, 1)] + [(1, 1)] * 28
     assert backend.stats.rows_per_wave == [2]  # the queued request never ran
     assert not backend._busy()
 
 
-def test_shutdown_aborts_running_and_queued_requests(tiny_hf_model_dir):
+@pytest.mark.loaded
+def test_shutdown_aborts_running_and_queued_requests(tiny_hf_model_dir, hold_pass):
     backend = make_backend(tiny_hf_model_dir)
-    seen = record_batches(backend)
+    held = hold_pass(backend, 3)
 
     async def main():
-        params = SamplingParams(max_new_tokens=200, temperature=0)
+        params = SamplingParams(max_new_tokens=10, temperature=0)
         running = asyncio.create_task(backend.generate([1, 5], params, "running"))
-        await until(lambda: len(seen) >= 3)
+        await held.reached(running)
         queued = asyncio.create_task(backend.generate([1, 6], params, "queued"))
-        await asyncio.sleep(0)
-        await backend.shutdown()
+        await asyncio.sleep(0)  # one turn: it is queued behind the running wave
+        held.release()
+        await backend.shutdown()  # closed before the engine sees the third pass end
         return await running, await queued
 
     [running], [queued] = asyncio.run(main())
-    assert running.finish_reason == "abort" and 3 <= len(running.token_ids) < 200
+    assert running.finish_reason == "abort" and len(running.token_ids) == 3  # stopped after the held pass
     assert len(running.log_probs) == len(running.token_ids)
     assert queued == Generation([], [], "abort")
     with pytest.raises(RuntimeError, match="after shutdown"):
         generate(backend, [1, 5], max_new_tokens=2)
 
 
+@pytest.mark.loaded
 def test_pause_aborts_running_requests_with_their_tokens_and_holds_new_ones_until_resume(
-    tiny_hf_model_dir, other_hf_model_dir
+    tiny_hf_model_dir, other_hf_model_dir, hold_pass
 ):
     """Partial rollout: weights change under a paused engine; what arrives meanwhile waits."""
     backend = make_backend(tiny_hf_model_dir)
     other = make_backend(other_hf_model_dir)
     state = {name: tensor.clone() for name, tensor in other.model.state_dict().items()}
-    seen = record_batches(backend)
-    params = SamplingParams(max_new_tokens=200, temperature=0)
+    held = hold_pass(backend, 3)
+    params = SamplingParams(max_new_tokens=10, temperature=0)
 
     async def main():
         running = asyncio.create_task(backend.generate([1, 5], params, "running"))
-        await until(lambda: len(seen) >= 3)
-        await backend.pause()
+        await held.reached(running)
+        held.release()
+        await backend.pause()  # paused before the engine sees the third pass end
         assert running.done()  # pause returns once nothing runs
         waiting = asyncio.create_task(
             backend.generate([1, 60, 61, 62], SamplingParams(max_new_tokens=8, temperature=0), "w")
         )
-        await asyncio.sleep(0.05)
-        assert not waiting.done()
+        await asyncio.sleep(0)  # one turn: it is queued, and an engine that ignored the pause is woken
+        # The update's round trip to the worker thread gives that engine its turn first: it would
+        # have taken a wave (counted before its first await) by the time the update returns.
         await backend.update_weights(state)
+        assert not waiting.done() and backend.stats.rows_per_wave == [1]
         await backend.resume()
         return await running, await waiting
 
     [partial], [after] = asyncio.run(main())
-    assert partial.finish_reason == "abort" and 3 <= len(partial.token_ids) < 200
+    assert partial.finish_reason == "abort" and len(partial.token_ids) == 3  # stopped after the held pass
     assert len(partial.log_probs) == len(partial.token_ids)
     [target] = generate(other, [1, 60, 61, 62], max_new_tokens=8, temperature=0)
     assert after.token_ids == target.token_ids  # generated after the pause, with the new weights
@@ -358,7 +424,9 @@ def test_pause_and_resume_of_an_idle_engine_return_at_once(tiny_hf_model_dir):
     backend = make_backend(tiny_hf_model_dir)
 
     async def main():
-        await asyncio.wait_for(backend.pause(), 1)
+        pausing = asyncio.create_task(backend.pause())
+        await asyncio.sleep(0)  # one turn of the loop: an idle engine has nothing to wait for
+        assert pausing.done()  # a pause that waited for a wave would never end: fail, not hang
         await backend.resume()
         return await backend.generate([1, 5], SamplingParams(max_new_tokens=3, temperature=0), "r")
 
