@@ -47,7 +47,7 @@ def pytest_addoption(parser):
         default=0,
         metavar="N",
         help="run N busy-loop processes beside the tests for the whole session: a loaded machine "
-        "(CI runs the tests marked `loaded` again with --busy 2)",
+        "(CI runs the tests marked `loaded` this way, with --busy 2)",
     )
 
 
@@ -55,7 +55,7 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers",
         "loaded: asserts an ordering that concurrency decides (processes, threads, a SIGKILL); "
-        "it must pass on a busy machine, and CI runs it again beside two busy-loop processes (--busy 2)",
+        "it must pass on a busy machine, and CI runs it beside two busy-loop processes (--busy 2)",
     )
 
 
