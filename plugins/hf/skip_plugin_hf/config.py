@@ -11,10 +11,13 @@ class HFConfig(BaseModel):
     """``rollout.hf``: where and how the model runs.
 
     ``device`` ``auto`` takes CUDA when torch sees it; ``dtype`` null is bfloat16 on CUDA and
-    float32 on CPU; ``max_batch_size`` bounds the requests decoded together.
+    float32 on CPU; ``max_batch_size`` bounds the rows decoded together. ``batching``
+    ``continuous`` lets rows join the running batch between two forward passes; ``wave`` only
+    when it is empty (static batching: arrivals wait for the slowest row, kept for comparison).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     max_batch_size: PositiveInt = 64
+    batching: Literal["continuous", "wave"] = "continuous"

@@ -1,9 +1,12 @@
-"""The ``hf`` rollout backend: concurrent requests batched into waves, decoded with a KV cache.
+"""The ``hf`` rollout backend: concurrent requests decoded together with a KV cache, batched continuously.
 
-An engine task on the event loop takes every waiting sample (up to ``max_batch_size`` rows;
-a request with ``n`` samples is ``n`` rows) and decodes them as one wave. Requests arriving
-meanwhile wait for the next wave. All model work runs on one worker thread, so the event loop
-stays free for tool calls and new arrivals, and weight updates land between forward passes.
+An engine task on the event loop runs the batch one forward pass at a time. Between two passes,
+the rows that arrived meanwhile are prefilled together and join the batch (up to
+``max_batch_size`` rows; a request with ``n`` samples is ``n`` rows), and a row leaves the step
+it finishes: a short request never waits for a long one. With ``batching: wave`` rows join only
+an empty batch, as static batching does (kept for comparison). All model work runs on one
+worker thread, so the event loop stays free for tool calls and new arrivals, and weight updates
+land between forward passes.
 """
 
 from __future__ import annotations
@@ -22,19 +25,25 @@ import torch
 from skip_core.backend import FinishReason, Generation, RolloutBackend, SamplingParams
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from skip_plugin_hf.batch import Batch
 from skip_plugin_hf.options import HFOptions
 from skip_plugin_hf.sampling import seeded_stream
-from skip_plugin_hf.wave import Wave
 
 T = TypeVar("T")
 
 
 @dataclass
 class EngineStats:
-    """Counters for users and benchmarks; ``rows_per_wave`` shows how well requests were batched."""
+    """Counters for users and benchmarks.
 
-    waves: int = 0
-    rows_per_wave: list[int] = field(default_factory=list)
+    ``rows_per_prefill`` shows how arrivals were grouped (rows prefilled together, then joining
+    the batch); ``rows_per_pass`` sums the rows of every decoding pass, so ``rows_per_pass /
+    decode_passes`` is the mean batch size.
+    """
+
+    rows_per_prefill: list[int] = field(default_factory=list)
+    rows_per_pass: int = 0
+    decode_passes: int = 0
     forward_passes: int = 0
     forward_seconds: float = 0.0
     tokens_generated: int = 0
@@ -50,7 +59,7 @@ class _Request:
 
 @dataclass(eq=False)
 class _Row:
-    """One sample of a request: the unit a wave batches."""
+    """One sample of a request: the unit the engine batches."""
 
     request: _Request
     index: int
@@ -74,7 +83,8 @@ class HFBackend(RolloutBackend):
         self._eos = _eos_token_ids(self.model)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skip-hf")
         self._queue: deque[_Row] = deque()
-        self._active: list[_Row] = []
+        self._active: list[_Row] = []  # the batch's rows, in its order; finished ones until it shrinks
+        self._batch: Batch | None = None
         self._stream = random.Random()
         self._engine: asyncio.Task | None = None
         self._arrived, self._resumed, self._idle = asyncio.Event(), _event(True), _event(True)
@@ -127,7 +137,7 @@ class HFBackend(RolloutBackend):
     async def pause(self) -> None:
         self._paused = True
         self._resumed.clear()
-        await self._idle.wait()  # the running wave aborts its rows at the next token
+        await self._idle.wait()  # the running rows are aborted after the current forward pass
 
     async def resume(self) -> None:
         self._paused = False
@@ -162,58 +172,92 @@ class HFBackend(RolloutBackend):
     async def _serve(self) -> None:
         try:
             while not self._closed:
-                await self._resumed.wait()
-                rows = self._take_wave()
-                if rows:
-                    await self._run_wave(rows)
-                else:
+                if self._paused:
+                    self._stop_batch()
+                    await self._resumed.wait()
+                    continue
+                if self.options.batching == "continuous" or self._batch is None:
+                    rows = self._take(self.options.max_batch_size - self._running())
+                    if rows:
+                        await self._join(rows)
+                if self._batch is not None:
+                    if not (self._paused or self._closed):  # either may have come during the prefill
+                        await self._decode()
+                elif not self._queue:
+                    self._idle.set()
                     self._arrived.clear()
                     await self._arrived.wait()
         finally:
             self._abort(self._active + list(self._queue))
 
-    def _take_wave(self) -> list[_Row]:
+    def _take(self, room: int) -> list[_Row]:
         rows: list[_Row] = []
-        while self._queue and len(rows) < self.options.max_batch_size:
+        while self._queue and len(rows) < room:
             row = self._queue.popleft()
-            if not row.request.future.done():  # cancelled, or failed in an earlier wave
+            if not row.request.future.done():  # cancelled, or failed in an earlier pass
                 rows.append(row)
         return rows
 
-    async def _run_wave(self, rows: list[_Row]) -> None:
-        self._active = rows
+    def _running(self) -> int:
+        return sum(not row.finished for row in self._active)
+
+    async def _join(self, rows: list[_Row]) -> None:
+        """Prefill the arrivals as a batch of their own, then merge their rows into the running one."""
         self._idle.clear()
-        self.stats.waves += 1
-        self.stats.rows_per_wave.append(len(rows))
+        self.stats.rows_per_prefill.append(len(rows))
         try:
-            await self._decode(rows)
+            joining = await self._call(
+                Batch, self.model, [r.prompt for r in rows], [r.request.params for r in rows], [r.stream for r in rows]
+            )
+            self._advance(rows, *await self._call(self._step, joining))
+            if self._active:
+                await self._shrink(all_finished=True)  # the merge copies the cache anyway
+            if self._batch is None:
+                self._batch, self._active = joining, rows
+            else:
+                await self._call(self._batch.merge, joining)
+                self._active = self._active + rows
+        except Exception as exc:  # only these rows fail: the running batch never saw them
+            self._fail(rows, exc)
+        await self._shrink()
+
+    async def _decode(self) -> None:
+        self.stats.decode_passes += 1
+        self.stats.rows_per_pass += len(self._active)
+        try:
+            self._advance(self._active, *await self._call(self._step, self._batch))
         except Exception as exc:
-            for row in self._active:
-                if not row.request.future.done():
-                    row.request.future.set_exception(exc)
-        self._abort(self._active)  # rows still running when shutdown() or pause() stopped the wave
-        self._active = []
+            self._fail(self._active, exc)
+            self._batch, self._active = None, []
+        await self._shrink()
+
+    async def _shrink(self, all_finished: bool = False) -> None:
+        """Drop the finished rows once they are half the batch (with ``all_finished``, any).
+
+        A copy of the cache now and then is cheaper than computing rows nobody reads.
+        """
+        keep = [i for i, row in enumerate(self._active) if not row.finished]
+        if not keep:
+            self._batch, self._active = None, []
+        elif len(keep) <= len(self._active) // 2 or (all_finished and len(keep) < len(self._active)):
+            await self._call(self._batch.select, keep)
+            self._active = [self._active[i] for i in keep]
+
+    def _stop_batch(self) -> None:
+        """Paused: the running rows end with ``abort`` and the tokens they have; nothing runs until resume."""
+        self._abort(self._active)
+        self._batch, self._active = None, []
         self._idle.set()
 
-    async def _decode(self, rows: list[_Row]) -> None:
-        wave = await self._call(
-            Wave, self.model, [r.prompt for r in rows], [r.request.params for r in rows], [r.stream for r in rows]
-        )
-        while not self._closed and not self._paused:
-            tokens, log_probs = await self._call(self._step, wave)
-            self._advance(rows, tokens, log_probs)
-            running = [i for i, row in enumerate(rows) if not row.finished]
-            if not running:
-                return
-            # Shrink the batch once half of it is done: a copy of the cache now and then is
-            # cheaper than computing rows nobody reads.
-            if len(running) <= len(rows) // 2:
-                await self._call(wave.select, running)
-                rows = self._active = [rows[i] for i in running]
+    def _fail(self, rows: list[_Row], exc: Exception) -> None:
+        for row in rows:
+            row.finished = True
+            if not row.request.future.done():
+                row.request.future.set_exception(exc)
 
-    def _step(self, wave: Wave) -> tuple[list[int], list[float]]:
+    def _step(self, batch: Batch) -> tuple[list[int], list[float]]:
         start = time.perf_counter()
-        result = wave.step()
+        result = batch.step()
         self.stats.forward_seconds += time.perf_counter() - start
         self.stats.forward_passes += 1
         return result

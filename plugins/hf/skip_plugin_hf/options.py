@@ -22,6 +22,7 @@ class HFOptions:
     device: torch.device
     dtype: torch.dtype
     max_batch_size: int = 64
+    batching: str = "continuous"
 
 
 def resolve(config: HFConfig, model_dir: Path) -> HFOptions:
@@ -32,7 +33,7 @@ def resolve(config: HFConfig, model_dir: Path) -> HFOptions:
     else:
         device = torch.device(config.device)
     dtype = DTYPES[config.dtype] if config.dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
-    return HFOptions(local_model_dir(model_dir), device, dtype, config.max_batch_size)
+    return HFOptions(local_model_dir(model_dir), device, dtype, config.max_batch_size, config.batching)
 
 
 def check_device(name: str) -> None:

@@ -46,6 +46,14 @@ class Sampler:
         self.temperature, self.greedy = self.temperature[rows], self.greedy[rows]
         self.top_k, self.top_p = self.top_k[rows], self.top_p[rows]
 
+    def merge(self, other: Sampler) -> None:
+        """Append ``other``'s rows after these."""
+        self.streams += other.streams
+        self.temperature = torch.cat([self.temperature, other.temperature])
+        self.greedy = torch.cat([self.greedy, other.greedy])
+        self.top_k, self.top_p = torch.cat([self.top_k, other.top_k]), torch.cat([self.top_p, other.top_p])
+        self.filters = self.filters or other.filters
+
     def _filtered(self, logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
         # Top-k first, then top-p over the renormalised survivors (the order vLLM and HF use).
         ordered, order = logprobs.sort(-1, descending=True)

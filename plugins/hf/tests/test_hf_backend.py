@@ -275,15 +275,15 @@ def test_concurrent_requests_are_prefilled_in_one_batch(tiny_hf_model_dir):
     outs = asyncio.run(main())
     assert seen[0] == (16, max(map(len, prompts(16))))
     assert all(rows <= 16 for rows, _ in seen)
-    assert backend.stats.rows_per_wave == [16]
+    assert backend.stats.rows_per_prefill == [16]
     assert [len(out) for out in outs] == [1] * 16
 
 
 @pytest.mark.loaded
-def test_requests_arriving_during_a_wave_are_batched_in_the_next(tiny_hf_model_dir, hold_pass):
+def test_requests_arriving_during_a_pass_are_prefilled_together_and_join_the_batch(tiny_hf_model_dir, hold_pass):
     backend = make_backend(tiny_hf_model_dir)
     seen = record_batches(backend)
-    held = hold_pass(backend, 1)  # the first wave's prefill: the late requests arrive while it runs
+    held = hold_pass(backend, 1)  # the first request's prefill: the late requests arrive while it runs
 
     async def main():
         long = asyncio.create_task(backend.generate([1, 5], SamplingParams(max_new_tokens=8, temperature=0), "long"))
@@ -297,14 +297,126 @@ def test_requests_arriving_during_a_wave_are_batched_in_the_next(tiny_hf_model_d
     asyncio.run(main())
     prefills = [shape for shape in seen if shape[1] > 1]
     assert prefills == [(1, 2), (3, max(map(len, prompts(3))))]
-    assert backend.stats.rows_per_wave == [1, 3]
+    # One decode pass of the first request comes between (a prefill is followed by a decode pass
+    # whatever arrived during it, so a stream of arrivals never starves the batch), then all four.
+    assert seen[:4] == [(1, 2), (1, 1), (3, max(map(len, prompts(3)))), (4, 1)]
+    assert backend.stats.rows_per_prefill == [1, 3]
 
 
-def test_samples_beyond_max_batch_size_go_to_later_waves(tiny_hf_model_dir):
+# -- continuous batching -------------------------------------------------------------------
+
+
+def submit_during_a_long_request(backend: HFBackend, hold_pass, short_params: SamplingParams):
+    """A 40-token greedy request, and a 4-token one submitted while the long one's 3rd pass runs.
+
+    Returns both generations and which finished first.
+    """
+    held = hold_pass(backend, 3)
+    finished: list[str] = []
+
+    async def request(prompt, params, name):
+        [out] = await backend.generate(prompt, params, name)
+        finished.append(name)
+        return out
+
+    async def main():
+        long = asyncio.create_task(request([1, 5, 6], SamplingParams(max_new_tokens=40, temperature=0), "long"))
+        await held.reached(long)
+        short = asyncio.create_task(request([1, 9, 10, 11, 12], short_params, "short"))
+        await asyncio.sleep(0)  # one turn: it is queued
+        held.release()
+        return await asyncio.gather(long, short)
+
+    long, short = asyncio.run(main())
+    return long, short, finished
+
+
+@pytest.mark.loaded
+def test_a_short_request_submitted_while_a_long_one_decodes_finishes_first(tiny_hf_model_dir, hold_pass):
+    backend = make_backend(tiny_hf_model_dir)
+    seen = record_batches(backend)
+    short_params = SamplingParams(max_new_tokens=4, temperature=0)
+    long, short, finished = submit_during_a_long_request(backend, hold_pass, short_params)
+
+    assert finished == ["short", "long"]
+    # It joined at the next pass and left the pass it finished: 3 passes alone, its prefill, 3
+    # passes together, then the long one alone again.
+    assert seen == [(1, 3), (1, 1), (1, 1), (1, 5), (2, 1), (2, 1), (2, 1)] + [(1, 1)] * 34
+    assert len(long.token_ids) == 40 and len(short.token_ids) == 4
+    # Joining a running batch changes nobody's tokens.
+    [long_alone] = generate(backend, [1, 5, 6], max_new_tokens=40, temperature=0)
+    [short_alone] = generate(backend, [1, 9, 10, 11, 12], max_new_tokens=4, temperature=0)
+    assert (long.token_ids, short.token_ids) == (long_alone.token_ids, short_alone.token_ids)
+
+
+@pytest.mark.loaded
+def test_with_wave_batching_the_short_request_waits_for_the_long_one(tiny_hf_model_dir, hold_pass):
+    backend = make_backend(tiny_hf_model_dir, batching="wave")
+    seen = record_batches(backend)
+    long, short, finished = submit_during_a_long_request(
+        backend, hold_pass, SamplingParams(max_new_tokens=4, temperature=0)
+    )
+    assert finished == ["long", "short"]
+    assert seen == [(1, 3)] + [(1, 1)] * 39 + [(1, 5)] + [(1, 1)] * 3
+    assert len(long.token_ids) == 40 and len(short.token_ids) == 4
+
+
+def test_when_a_long_prompt_leaves_the_batch_its_padding_leaves_the_cache(tiny_hf_model_dir):
+    backend = make_backend(tiny_hf_model_dir)
+    widths: list[int] = []
+    backend.model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["attention_mask"].shape[1]), with_kwargs=True
+    )
+
+    async def main():
+        params = SamplingParams(max_new_tokens=2, temperature=0)
+        long = backend.generate([1, *range(10, 70)], params, "long-prompt")
+        short = backend.generate([1, 5, 6], SamplingParams(max_new_tokens=20, temperature=0), "short")
+        return await asyncio.gather(long, short)
+
+    [[long], [short]] = asyncio.run(main())
+    assert len(long.token_ids) == 2 and len(short.token_ids) == 20
+    # Prefill, then one pass together (61 + 1 columns); from then on the short row alone, with
+    # only its own prompt and tokens: the pass feeding its g-th token has 3 + g columns.
+    assert widths == [61, 62] + [3 + g for g in range(2, 20)]
+    [alone] = generate(backend, [1, 5, 6], max_new_tokens=20, temperature=0)
+    assert short.token_ids == alone.token_ids
+
+
+@pytest.mark.loaded
+def test_a_seeded_request_joining_a_busy_batch_samples_what_it_samples_alone(tiny_hf_model_dir, hold_pass):
+    backend = make_backend(tiny_hf_model_dir)
+    mine = SamplingParams(max_new_tokens=24, seed=7, top_k=50, temperature=0.9)
+    [alone] = generate(backend, [1, 50, 51, 52, 53, 54, 55, 56], max_new_tokens=24, seed=7, top_k=50, temperature=0.9)
+    held = hold_pass(backend, 6)  # the crowd's 5th decode pass
+
+    async def main():
+        # Sampled, seeded rows of other lengths, some finishing (and leaving) while mine runs.
+        crowd = [
+            asyncio.create_task(
+                backend.generate(p, SamplingParams(max_new_tokens=8 + 4 * i, temperature=1.0, seed=i), f"c{i}")
+            )
+            for i, p in enumerate(prompts(6))
+        ]
+        await held.reached(crowd[-1])
+        joined = asyncio.create_task(backend.generate([1, 50, 51, 52, 53, 54, 55, 56], mine, "mine"))
+        await asyncio.sleep(0)
+        held.release()
+        return await joined, await asyncio.gather(*crowd)
+
+    [joined], crowd = asyncio.run(main())
+    assert backend.stats.rows_per_prefill[-2:] == [6, 1]  # the crowd, then mine joining it
+    assert [len(out.token_ids) for [out] in crowd] == [8 + 4 * i for i in range(6)]
+    assert joined.token_ids == alone.token_ids
+    # Padding and batch size change float32 summation order (~1e-7), never the tokens.
+    assert torch.allclose(torch.tensor(joined.log_probs), torch.tensor(alone.log_probs), atol=1e-5)
+
+
+def test_samples_beyond_max_batch_size_wait_for_room_in_the_batch(tiny_hf_model_dir):
     backend = make_backend(tiny_hf_model_dir, max_batch_size=2)
     outs = generate(backend, [1, 3], max_new_tokens=3, seed=1, n=5)
     assert len(outs) == 5
-    assert backend.stats.rows_per_wave == [2, 2, 1]
+    assert backend.stats.rows_per_prefill == [2, 2, 1]
 
 
 def test_a_seeded_request_samples_the_same_alone_or_in_a_batch(tiny_hf_model_dir):
@@ -324,7 +436,7 @@ def test_a_seeded_request_samples_the_same_alone_or_in_a_batch(tiny_hf_model_dir
         return await asyncio.gather(*others[:3], mine, *others[3:])
 
     [batched] = asyncio.run(crowded())[3]
-    assert backend.stats.rows_per_wave[-1] == 8
+    assert backend.stats.rows_per_prefill[-1] == 8
     # Left padding and another batch size change float32 summation order (~1e-7), never the tokens.
     assert batched.token_ids == alone.token_ids
     assert torch.allclose(torch.tensor(batched.log_probs), torch.tensor(alone.log_probs), atol=1e-5)
@@ -358,7 +470,7 @@ def test_a_cancelled_request_leaves_the_batch_and_the_others_complete(tiny_hf_mo
     assert out.finish_reason == "length" and len(out.token_ids) == 30
     # Both rows in the prefill and the held pass; from the next pass on the cancelled row is gone.
     assert seen == [(2, 3), (2, 1)] + [(1, 1)] * 28
-    assert backend.stats.rows_per_wave == [2]  # the queued request never ran
+    assert backend.stats.rows_per_prefill == [2]  # the queued request never ran
     assert not backend._busy()
 
 
@@ -409,7 +521,7 @@ def test_pause_aborts_running_requests_with_their_tokens_and_holds_new_ones_unti
         # The update's round trip to the worker thread gives that engine its turn first: it would
         # have taken a wave (counted before its first await) by the time the update returns.
         await backend.update_weights(state)
-        assert not waiting.done() and backend.stats.rows_per_wave == [1]
+        assert not waiting.done() and backend.stats.rows_per_prefill == [1]
         await backend.resume()
         return await running, await waiting
 
@@ -512,7 +624,7 @@ def test_the_section_arrives_validated_from_the_run_config(tiny_hf_model_dir):
         ({"max_batch_size": 0}, "rollout.hf.max_batch_size: expected an integer > 0, got 0"),
         (
             {"max_batch": 8},
-            "rollout.hf.max_batch: unknown key (allowed: device, dtype, max_batch_size); "
+            "rollout.hf.max_batch: unknown key (allowed: batching, device, dtype, max_batch_size); "
             "did you mean rollout.hf.max_batch_size?",
         ),
     ],
