@@ -95,10 +95,11 @@ def make_loop(tokenizer, backend, tools=None, **config):
 
 
 HELD = "held_hf"
+HELD_VLLM = "held_vllm"
 
 
 class HeldUntilPaused(RolloutBackend):
-    """The real ``hf`` engine, except that the first request it gets waits for the engine's first
+    """A real engine (``hf`` or ``vllm``), except that the first request it gets waits for the engine's first
     pause (a weight sync with partial rollout) and then ends as cut before its first token.
 
     A sync is then certain to land while a request generates, however fast the others run or
@@ -140,31 +141,34 @@ class HeldUntilPaused(RolloutBackend):
 
 
 class HeldFactory:
-    """``hf``'s factory (and its driver-side check), wrapped: takes whatever arguments it takes."""
+    """A backend's factory (and its driver-side check), wrapped: takes whatever arguments it takes."""
 
-    @staticmethod
-    def _hf():
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+
+    def _factory(self):
         from skip_core.plugins import registry
 
-        return registry().backends["hf"]
+        return registry().backends[self.backend]
 
     def check(self, *args, **kwargs):
-        check = getattr(self._hf(), "check", None)
+        check = getattr(self._factory(), "check", None)
         if check is not None:
             check(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
-        return HeldUntilPaused(self._hf()(*args, **kwargs))
+        return HeldUntilPaused(self._factory()(*args, **kwargs))
 
 
 class _HeldPlugin:
     @hookimpl
     def skip_register_backends(self, register):
-        register(HELD, HeldFactory())
+        register(HELD, HeldFactory("hf"))
+        register(HELD_VLLM, HeldFactory("vllm"))  # built only where vllm is installed
 
 
 def register_held_backend() -> None:
-    """Make ``rollout.backend=held_hf`` available in this process; every worker of the suite's
+    """Make ``rollout.backend=held_hf`` (and ``held_vllm``) available in this process; every worker of the suite's
     Ray runs it at start (``ray_session``), a test's driver through ``held_backend``."""
     from skip_core.plugins import pm
 

@@ -51,24 +51,39 @@ def test_two_steps_train_with_the_engines_log_probs_close_to_the_trainers(ray_se
     assert trainer.rollout.calls == 2 and "skip run" in output
 
 
-def test_fully_async_trains_on_the_engine_syncing_weights_under_requests_in_flight(ray_session, task_dir, tmp_path):
-    # A sync after every update: each pauses the engine under the samples generating for the
-    # next steps, loads the weights in place and resumes; interrupted samples continue.
+def test_fully_async_with_partial_rollout_continues_interrupted_samples_in_the_engine(
+    ray_session, held_backend, task_dir, tmp_path
+):
+    # A sync after every update pauses the engine under the samples generating for the next
+    # steps, loads the weights in place and resumes; interrupted samples continue in the engine.
+    # The first request waits for the first pause (scripted_model.HeldUntilPaused around vLLM),
+    # so a sync certainly lands while a sample generates. The test model scores 0, so advantages
+    # are 0 and, with no entropy bonus or KL loss, an update leaves the weights as they were: they
+    # change version, not value, and the engine-trainer diff (old log-probs recomputed, bypass
+    # off) measures the engine alone, as in the sync test above. That new values change vLLM's
+    # tokens is test_vllm_backend's.
     train(
         task_dir,
         tmp_path,
-        *VLLM,
+        "rollout.backend=held_vllm",
         *EAGER,
         *DEFAULT_BATCH,
         "trainer.schedule=fully_async",
-        "trainer.total_training_steps=3",
+        "trainer.total_training_steps=2",
         "trainer.test_freq=-1",
         "trainer.resume_mode=disable",
         "async_training.trigger_parameter_sync_step=1",
+        "async_training.staleness_threshold=1",
+        "algorithm.rollout_correction.bypass_mode=false",
     )
     rows = metrics(tmp_path / "run")
-    assert [row["step"] for row in rows] == [1, 2, 3]
-    assert [row["fully_async/count/current_param_version"] for row in rows] == [1, 2, 3]
+    assert [row["fully_async/count/current_param_version"] for row in rows] == [1, 2]
+    assert sum(row["fully_async/partial/total_partial_num"] for row in rows) >= 1  # the held one, at least
+    assert max(row["fully_async/partial/max_partial_span"] for row in rows) >= 1  # it went on after the sync
+    # Fed at most (1 + 1) x 1 updates ahead, generated on weights at most 1 - 1 updates older.
+    assert max(row["training/staleness_max"] for row in rows) <= 2
+    assert max(row["training/staleness_max"] for row in rows) >= 1  # it did stream ahead
+    assert all(row["training/rollout_probs_diff_mean"] < 1e-6 for row in rows), rows
     assert all(row["response_length/mean"] > 0 for row in rows)
 
 
