@@ -120,6 +120,8 @@ def _one_line(key: str, model: type[BaseModel], exc: ValidationError, nested: It
 _EXPECTED = {
     "bool_parsing": "expected true or false",
     "bool_type": "expected true or false",
+    "float_parsing": "expected a number",
+    "float_type": "expected a number",
     "int_parsing": "expected an integer",
     "int_type": "expected an integer",
     "int_from_float": "expected an integer",

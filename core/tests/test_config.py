@@ -5,6 +5,7 @@ import tomllib
 from hydra import compose, initialize_config_dir
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import BaseModel
 from skip_core import ConfigError, SkipManager
 from skip_core.config import SHIPPED, Namespace, RoleConfig, install_hint, parse_section
 from skip_core.hydra_defaults import register_hydra_defaults
@@ -35,6 +36,16 @@ def test_bad_values_fail_init_with_one_line_naming_the_key(tmp_path, section, me
     with pytest.raises(ConfigError) as error:
         SkipManager.init(run_config(tmp_path, **section))
     assert str(error.value) == message
+
+
+def test_a_number_that_is_not_one_says_so():
+    class Knob(BaseModel):
+        level: float = 0.5
+
+    with pytest.raises(ConfigError, match=r"^knob\.level: expected a number, got 'high'$"):
+        parse_section(Knob, "knob", {"level": "high"})
+    with pytest.raises(ConfigError, match=r"^knob\.level: expected a number, got \[1\]$"):
+        parse_section(Knob, "knob", {"level": [1]})
 
 
 def test_a_section_that_is_not_a_mapping_is_rejected(tmp_path):
