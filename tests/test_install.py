@@ -53,7 +53,9 @@ def test_the_commands_run_from_the_installed_distributions(site, tmp_path):
     files = run(sys.executable, "-c", where, cwd=tmp_path, site=site).split()
     assert all(Path(file).is_relative_to(site) for file in files), files
     shipped = sorted(path.name for path in (site / "skip_plugin_trainer" / "configs").glob("*.yaml"))
-    assert shipped == ["rollout.yaml", "run.yaml"]
+    assert shipped == ["long_tail.yaml", "rollout.yaml", "run.yaml"]
+    compose = "from skip_plugin_trainer.commands import compose_config as c; print(c(None, 'long_tail', ()).task.dir)"
+    assert run(sys.executable, "-c", compose, cwd=tmp_path, site=site).strip() == "./runs/embedded_long_tail"
     assert (site / "skip_plugin_arithmetic" / "calculator.yaml").is_file()
 
 
@@ -75,7 +77,14 @@ def test_skip_rollout_with_a_config_of_the_users_own_that_includes_the_shipped_o
     (project / "conf").mkdir(parents=True)
     (project / "conf" / "mine.yaml").write_text("defaults:\n  - rollout\n  - _self_\n\nrollout:\n  n: 3\n")
     command = [site / "bin" / "skip", "rollout", "--config-dir", "conf", "--config-name", "mine"]
-    small = [f"task.dir={task_dir}", "data.train_batch_size=4", "data.max_response_length=64", "output_dir=batch"]
+    task = [option for option in SMALL if option.startswith("task.")]  # the session's task, as built
+    small = [
+        *task,
+        f"task.dir={task_dir}",
+        "data.train_batch_size=4",
+        "data.max_response_length=64",
+        "output_dir=batch",
+    ]
     output = run(*command, *small, cwd=project, site=site)
     assert "4 × 3 = 12 requests" in output
     assert list((project / "batch").rglob("meta.json")), "the batch was saved under the working directory"

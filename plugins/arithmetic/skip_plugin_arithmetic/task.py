@@ -23,9 +23,18 @@ Options (the ``task`` config section; a missing key takes its default):
 - ``seed`` (integer, default 0): the problems, the tokenizer corpus and the model's weights.
 - ``train_size`` (integer >= 1, default 2000), ``val_size`` (integer >= 1, default 64): rows.
 - ``warmup_steps`` (integer >= 0, default 350): supervised steps before RL; 0 leaves the model random.
+- ``long_share`` (number in [0, 1], default 0): the share of problems, in the data and in the
+  warm-up alike, that are a long chain ``((a op b) op c) ... op z`` (``chain``) instead: one
+  calculator call per operation, so those requests run many more turns and tokens than the
+  others, a long tail of request times. 0 draws nothing more: the default problems and model
+  are exactly those of earlier releases.
+- ``long_operations`` (``[least, most]``, 3 <= least <= most <= 16, default ``[6, 10]``): how
+  many operations a long chain has, drawn uniformly.
 
-Assets are built only when missing: after changing an option, delete the task directory
-(or the piece concerned) to rebuild.
+Assets are built only when missing, under ``task.dir``, and ``task.dir/task.json`` records the
+options each was built with (``record``): a run whose options differ from those of a piece
+found there stops before any work, naming them; delete the piece (or the directory) to rebuild
+it, or set another ``task.dir``.
 """
 
 from __future__ import annotations
@@ -33,14 +42,16 @@ from __future__ import annotations
 import operator
 import random
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic import ConfigDict, NonNegativeInt, PositiveInt
+from pydantic import ConfigDict, Field, NonNegativeInt, PositiveInt, field_validator
 from skip_core.files import replacing
 from skip_plugin_trainer.settings import TaskConfig
 from skip_plugin_trainer.tasks import Task, TaskAssets
+
+from skip_plugin_arithmetic.record import BuildRecord
 
 DATA_SOURCE = "arithmetic"
 
@@ -52,14 +63,25 @@ _WARMUP_PROBLEMS = 4000
 GRADED_SHARE = 0.35
 """How many warm-up demonstrations answer as the prompt asks; the others restate the equation."""
 INSTRUCTION = "Write the result as Answer: <integer>."
+LONG_OPERATIONS = (6, 10)
+"""Operations of a long chain, at least and at most, unless ``task.long_operations`` says otherwise."""
+MAX_OPERATIONS = 16
+"""The most operations a long chain may have: the prompt of a 16-operation chain (103 tokens at most)
+fits the shipped ``data.max_prompt_length`` of 160, its demonstration (632) the model's 1024 positions."""
 
 
-def problem(rng: random.Random) -> tuple[str, str]:
-    """One expression, ``a op b`` or ``(a op b) op c`` with 2 or 3 digit operands, and its value.
+def problem(
+    rng: random.Random, long_share: float = 0.0, long_operations: Sequence[int] = LONG_OPERATIONS
+) -> tuple[str, str]:
+    """One expression, ``a op b`` or ``(a op b) op c`` with 2 or 3 digit operands, and its value;
+    with ``long_share`` > 0, that share of them a long chain instead (``chain``).
 
     Operands stay below 1000 because copying long numbers is what a one-minute warm-up of a
     tiny model cannot teach; products still reach 9 digits, which only the calculator gets right.
+    A ``long_share`` of 0 draws nothing more, so the default task's problems stay what they were.
     """
+    if long_share and rng.random() < long_share:
+        return chain(rng, rng.randint(*long_operations))
     a, b = _operand(rng), _operand(rng)
     op = rng.choice(tuple(_OPERATORS))
     expression, value = f"{a} {op} {b}", _OPERATORS[op](a, b)
@@ -69,15 +91,35 @@ def problem(rng: random.Random) -> tuple[str, str]:
     return expression, str(value)
 
 
+def chain(rng: random.Random, operations: int) -> tuple[str, str]:
+    """``((a op b) op c) ... op z``: ``operations`` operations applied left to right, one
+    calculator call each, so the request runs ``operations + 1`` turns.
+
+    A product only while the running value has at most 3 digits: every number the model copies
+    from a tool response into its next call stays within 7 digits (6, nearly always), however
+    long the chain: the length of a request grows with its operations, not with its numbers.
+    """
+    value = _operand(rng)
+    expression = str(value)
+    for index in range(operations):
+        op = rng.choice(tuple(_OPERATORS) if abs(value) < 1000 else ("+", "-"))
+        operand = _operand(rng)
+        expression = f"{expression} {op} {operand}" if index == 0 else f"({expression}) {op} {operand}"
+        value = _OPERATORS[op](value, operand)
+    return expression, str(value)
+
+
 def _operand(rng: random.Random) -> int:
     digits = rng.randint(2, 3)
     return rng.randint(10 ** (digits - 1), 10**digits - 1)
 
 
-def problems(split: str, size: int, seed: int) -> list[tuple[str, str]]:
+def problems(
+    split: str, size: int, seed: int, long_share: float = 0.0, long_operations: Sequence[int] = LONG_OPERATIONS
+) -> list[tuple[str, str]]:
     # A string seed is hashed the same way in every process, unlike hash(tuple).
     rng = random.Random(f"{DATA_SOURCE}-{split}-{seed}")
-    return [problem(rng) for _ in range(size)]
+    return [problem(rng, long_share, long_operations) for _ in range(size)]
 
 
 def prompt(expression: str) -> list[dict[str, str]]:
@@ -89,7 +131,9 @@ def expression_of(question: str) -> str:
     return question.removeprefix("What is ").removesuffix(f"? {INSTRUCTION}")
 
 
-def rows(split: str, size: int, seed: int) -> list[dict[str, Any]]:
+def rows(
+    split: str, size: int, seed: int, long_share: float = 0.0, long_operations: Sequence[int] = LONG_OPERATIONS
+) -> list[dict[str, Any]]:
     """Dataset rows shaped like verl's, the calculator enabled per row.
 
     The ground truth is also passed to the tool's ``create`` so a tool-side reward can use
@@ -107,7 +151,7 @@ def rows(split: str, size: int, seed: int) -> list[dict[str, Any]]:
                 "tools_kwargs": {"calculator": {"create_kwargs": {"ground_truth": answer}}},
             },
         }
-        for index, (expression, answer) in enumerate(problems(split, size, seed))
+        for index, (expression, answer) in enumerate(problems(split, size, seed, long_share, long_operations))
     ]
 
 
@@ -129,12 +173,17 @@ def demonstration(expression: str, answer: str, graded: bool = True) -> list[dic
 
 def calls(expression: str, answer: str) -> list[tuple[str, str]]:
     """The calculator calls a demonstration makes, one operation each, and their results:
-    ``(a op b) op c`` takes two, the second starting from the first's result."""
-    if not expression.startswith("("):
-        return [(expression, answer)]
-    inner, rest = expression[1:].split(")", 1)
-    first = str(_apply(inner))
-    return [(inner, first), (f"{first}{rest}", answer)]
+    ``(a op b) op c`` takes two, the second starting from the first's result, and a chain of
+    ``n`` operations ``n``, each starting from the one before's."""
+    depth = len(expression) - len(expression.lstrip("("))
+    first, *rest = expression[depth:].split(")")
+    steps = [(first, str(_apply(first)))]
+    for tail in rest:
+        step = f"{steps[-1][1]}{tail}"
+        steps.append((step, str(_apply(step))))
+    if steps[-1][1] != answer:
+        raise ValueError(f"{expression} is {steps[-1][1]}, not {answer}")
+    return steps
 
 
 def _apply(expression: str) -> int:
@@ -143,10 +192,14 @@ def _apply(expression: str) -> int:
     return _OPERATORS[op](int(a), int(b))
 
 
-def demonstrations(size: int, seed: int) -> list[list[dict[str, Any]]]:
-    """The warm-up's conversations: problems of their own split, ``GRADED_SHARE`` of them graded."""
+def demonstrations(
+    size: int, seed: int, long_share: float = 0.0, long_operations: Sequence[int] = LONG_OPERATIONS
+) -> list[list[dict[str, Any]]]:
+    """The warm-up's conversations: problems of their own split, drawn as the task's are (long
+    chains included, so the model learns to see them through), ``GRADED_SHARE`` of them graded."""
     rng = random.Random(f"{DATA_SOURCE}-{_WARMUP_SPLIT}-format-{seed}")
-    return [demonstration(*pair, graded=rng.random() < GRADED_SHARE) for pair in problems(_WARMUP_SPLIT, size, seed)]
+    pairs = problems(_WARMUP_SPLIT, size, seed, long_share, long_operations)
+    return [demonstration(*pair, graded=rng.random() < GRADED_SHARE) for pair in pairs]
 
 
 def score(response: str, ground_truth: str) -> float:
@@ -167,6 +220,25 @@ class ArithmeticOptions(TaskConfig):
     train_size: PositiveInt = 2000
     val_size: PositiveInt = 64
     warmup_steps: NonNegativeInt = 350
+    long_share: float = Field(0.0, ge=0.0, le=1.0)
+    long_operations: list[PositiveInt] = Field(default_factory=lambda: list(LONG_OPERATIONS))
+
+    @field_validator("long_operations")
+    @classmethod
+    def _a_range(cls, value: list[int]) -> list[int]:
+        if len(value) != 2 or not 3 <= value[0] <= value[1] <= MAX_OPERATIONS:
+            raise ValueError(f"expected [least, most] with 3 <= least <= most <= {MAX_OPERATIONS}, got {value}")
+        return value
+
+
+def built_with(options: ArithmeticOptions) -> dict[str, dict[str, Any]]:
+    """The options each piece of the task directory depends on, by its path there (see ``record``)."""
+    problems = {"seed": options.seed, "long_share": options.long_share, "long_operations": options.long_operations}
+    return {
+        "data/train.parquet": {**problems, "train_size": options.train_size},
+        "data/val.parquet": {**problems, "val_size": options.val_size},
+        "model": {**problems, "warmup_steps": options.warmup_steps},
+    }
 
 
 def write_parquet(table_rows: list[Mapping[str, Any]], path: Path) -> None:
@@ -187,16 +259,24 @@ class ArithmeticTask(Task):
 
     def prepare(self, directory: Path, options: ArithmeticOptions, progress: bool = True) -> TaskAssets:
         directory = Path(directory)
-        data = directory / "data"
-        files = {}
+        wanted = built_with(options)
+        paths = {piece: directory / piece for piece in wanted}
+        record = BuildRecord(directory, defaults=built_with(ArithmeticOptions()))
+        for piece, path in paths.items():
+            if path.exists():
+                record.check(piece, wanted[piece])
         for split in ("train", "val"):
-            files[split] = data / f"{split}.parquet"
-            if not files[split].exists():
-                write_parquet(rows(split, getattr(options, f"{split}_size"), options.seed), files[split])
-        model = directory / "model"
-        if not model.exists():
-            self._build_model(model, options, progress)
-        return TaskAssets(train_files=[files["train"]], val_files=[files["val"]], model_path=model)
+            piece = f"data/{split}.parquet"
+            if not paths[piece].exists():
+                size = getattr(options, f"{split}_size")
+                write_parquet(
+                    rows(split, size, options.seed, options.long_share, options.long_operations), paths[piece]
+                )
+                record.add(piece, wanted[piece])
+        if not paths["model"].exists():
+            self._build_model(paths["model"], options, progress)
+            record.add("model", wanted["model"])
+        return TaskAssets([paths["data/train.parquet"]], [paths["data/val.parquet"]], paths["model"])
 
     def _build_model(self, target: Path, options: ArithmeticOptions, progress: bool) -> None:
         from skip_plugin_arithmetic import tiny_model
@@ -204,10 +284,18 @@ class ArithmeticTask(Task):
 
         seed, steps = options.seed, options.warmup_steps
         log = target.parent / "build.log"
+        then = []
+        if options.long_share:
+            # The default's warm-up first, which teaches the protocol and the copying of numbers;
+            # long chains from the first step delay that past 700 steps. Then as many steps on the
+            # task's own mix, batched by length: long chains are several times longer than the rest.
+            mix = demonstrations(_WARMUP_PROBLEMS, seed, options.long_share, options.long_operations)
+            then.append(tiny_model.Stage(mix, steps, by_length=True, label="warm-up with long chains"))
         if progress:
-            print(f"building the embedded default's model in {target}: {steps} warm-up steps (progress in {log})")
+            more = f", then {steps} with long chains" if then else ""
+            print(f"building the embedded default's model in {target}: {steps} warm-up steps{more} (progress in {log})")
         conversations = demonstrations(_WARMUP_PROBLEMS, seed)
-        tiny_model.build(target, conversations, [SCHEMA], steps=steps, seed=seed, progress=progress, log=log)
+        tiny_model.build(target, conversations, [SCHEMA], steps, seed, progress, log, then=then)
 
     def score(self, response: str, ground_truth: str) -> float:
         return score(response, ground_truth)

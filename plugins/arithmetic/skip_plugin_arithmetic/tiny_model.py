@@ -20,6 +20,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,17 @@ its turns, which ``ChatFormat`` needs, and the end-of-turn token is the last tok
 Messages = Sequence[Mapping[str, Any]]
 
 
+@dataclass(frozen=True)
+class Stage:
+    """A further warm-up of ``build``: ``steps`` steps on ``conversations`` with a fresh optimizer
+    and learning-rate schedule, batched by length when ``by_length`` (see ``warm_up``)."""
+
+    conversations: Sequence[Messages]
+    steps: int
+    by_length: bool = False
+    label: str = "warm-up"
+
+
 def build(
     target: Path,
     conversations: Sequence[Messages],
@@ -75,8 +87,11 @@ def build(
     seed: int = 0,
     progress: bool = True,
     log: Path | None = None,
+    then: Sequence[Stage] = (),
 ) -> Path:
-    """Build the tokenizer and model, warm them up on ``conversations`` and save them at ``target``.
+    """Build the tokenizer and model, warm them up on ``conversations`` (then on each of ``then``)
+    and save them at ``target``. The tokenizer is trained on ``conversations`` alone, so a build
+    with further stages starts as the build without them: the same model, warmed up further.
 
     Built in a fresh directory next to ``target`` and renamed into place, so a killed build
     never leaves a directory that looks complete; leftovers are hidden ``.<name>.partial-*``.
@@ -88,6 +103,19 @@ def build(
         tokenizer = build_tokenizer(render(conversations[:CORPUS_SIZE], tools))
         model = build_model(tokenizer, seed)
         warm_up(model, tokenizer, conversations, tools, steps, seed=seed, progress=progress, log=log)
+        for stage in then:
+            warm_up(
+                model,
+                tokenizer,
+                stage.conversations,
+                tools,
+                stage.steps,
+                seed=seed,
+                progress=progress,
+                log=log,
+                by_length=stage.by_length,
+                label=stage.label,
+            )
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         apply_umask(tmp)
@@ -224,8 +252,15 @@ def warm_up(
     lr: float = 2e-3,
     progress: bool = True,
     log: Path | None = None,
+    by_length: bool = False,
+    label: str = "warm-up",
 ) -> list[float]:
-    """Supervised steps on the assistant tokens of ``conversations``; returns the loss of each step."""
+    """Supervised steps on the assistant tokens of ``conversations``; returns the loss of each step.
+
+    ``by_length`` batches conversations of similar lengths together (see ``_batches``): where a
+    few are several times longer than the rest, a batch then pads to its own longest one, not
+    to theirs, and the warm-up takes a fraction of the time.
+    """
     import torch
 
     chat = ChatFormat(tokenizer)
@@ -236,8 +271,9 @@ def warm_up(
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(steps))
     losses = []
     model.train()
-    with _progress(progress, steps, log) as advance:
-        for indices in _batches(len(examples), batch_size, steps, seed):
+    with _progress(progress, steps, log, label) as advance:
+        lengths = [len(ids) for ids, _ in examples] if by_length else None
+        for indices in _batches(len(examples), batch_size, steps, seed, lengths):
             loss = model(**_collate([examples[i] for i in indices], tokenizer.pad_token_id)).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -262,15 +298,34 @@ def _warmup_cosine(steps: int) -> Callable[[int], float]:
     return factor
 
 
-def _batches(size: int, batch_size: int, steps: int, seed: int) -> list[list[int]]:
-    """``steps`` batches of indices, reshuffling each pass over the examples."""
+def _batches(
+    size: int, batch_size: int, steps: int, seed: int, lengths: Sequence[int] | None = None
+) -> list[list[int]]:
+    """``steps`` batches of indices, reshuffling each pass over the examples.
+
+    With ``lengths``, every ``BUCKET`` consecutive batches trade examples so that each holds
+    examples of similar lengths (sorted, cut into batches, the batches shuffled again): the same
+    examples in the same stretch of steps, padded far less.
+    """
     import torch
 
     generator = torch.Generator().manual_seed(seed)
     flat: list[int] = []
     while len(flat) < steps * batch_size:
         flat += torch.randperm(size, generator=generator).tolist()
-    return [flat[i * batch_size : (i + 1) * batch_size] for i in range(steps)]
+    batches = [flat[i * batch_size : (i + 1) * batch_size] for i in range(steps)]
+    if lengths is None:
+        return batches
+    grouped = []
+    for start in range(0, steps, BUCKET):
+        bucket = sorted((i for batch in batches[start : start + BUCKET] for i in batch), key=lambda i: lengths[i])
+        runs = [bucket[k : k + batch_size] for k in range(0, len(bucket), batch_size)]
+        grouped += [runs[k] for k in torch.randperm(len(runs), generator=generator).tolist()]
+    return grouped
+
+
+BUCKET = 16
+"""Batches whose examples ``_batches`` regroups by length."""
 
 
 def _collate(examples: Sequence[tuple[list[int], list[bool]]], pad: int) -> dict[str, Any]:
@@ -289,7 +344,9 @@ def _collate(examples: Sequence[tuple[list[int], list[bool]]], pad: int) -> dict
 
 
 @contextmanager
-def _progress(enabled: bool, steps: int, log: Path | None = None) -> Iterator[Callable[[float], None]]:
+def _progress(
+    enabled: bool, steps: int, log: Path | None = None, label: str = "warm-up"
+) -> Iterator[Callable[[float], None]]:
     """The warm-up's progress: a rich bar on a terminal; otherwise (CI, ``nohup``, a cluster log) a
     plain line every ``PROGRESS_EVERY_S`` seconds. The plain lines also go to ``log`` when given."""
     if not enabled:
@@ -298,8 +355,8 @@ def _progress(enabled: bool, steps: int, log: Path | None = None) -> Iterator[Ca
     from rich.console import Console
 
     terminal = Console().is_terminal
-    lines = _ProgressLines(steps, log, echo=not terminal)
-    with _bar(steps) if terminal else nullcontext(lambda loss: None) as bar:
+    lines = _ProgressLines(steps, log, echo=not terminal, label=label)
+    with _bar(steps, label) if terminal else nullcontext(lambda loss: None) as bar:
 
         def advance(loss: float) -> None:
             bar(loss)
@@ -310,12 +367,12 @@ def _progress(enabled: bool, steps: int, log: Path | None = None) -> Iterator[Ca
 
 
 @contextmanager
-def _bar(steps: int) -> Iterator[Callable[[float], None]]:
+def _bar(steps: int, label: str) -> Iterator[Callable[[float], None]]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    columns = (TextColumn("warm-up"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"))
+    columns = (TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"))
     with Progress(*columns, TimeRemainingColumn(), transient=True) as bar:
-        task = bar.add_task("warm-up", total=steps, loss="-")
+        task = bar.add_task(label, total=steps, loss="-")
         yield lambda loss: bar.update(task, advance=1, loss=f"{loss:.3f}")
 
 
@@ -325,8 +382,8 @@ PROGRESS_EVERY_S = 10.0
 class _ProgressLines:
     """``warm-up 120/350 steps, loss 1.234, 24 s elapsed, about 46 s left``, every few seconds."""
 
-    def __init__(self, steps: int, log: Path | None, echo: bool) -> None:
-        self.steps, self.log, self.echo = steps, log, echo
+    def __init__(self, steps: int, log: Path | None, echo: bool, label: str = "warm-up") -> None:
+        self.steps, self.log, self.echo, self.label = steps, log, echo, label
         self.done, self.loss = 0, float("nan")
         self.start = self.last = time.monotonic()
 
@@ -338,7 +395,7 @@ class _ProgressLines:
     def emit(self) -> None:
         self.last = time.monotonic()
         elapsed = self.last - self.start
-        line = f"warm-up {self.done}/{self.steps} steps, loss {self.loss:.3f}, {elapsed:.0f} s elapsed"
+        line = f"{self.label} {self.done}/{self.steps} steps, loss {self.loss:.3f}, {elapsed:.0f} s elapsed"
         if 0 < self.done < self.steps:
             line += f", about {elapsed / self.done * (self.steps - self.done):.0f} s left"
         if self.echo:

@@ -1,6 +1,10 @@
+import hashlib
+import json
 import os
+import re
 import shutil
 import time
+from collections import Counter
 
 import pyarrow.parquet as pq
 import pytest
@@ -11,7 +15,17 @@ from skip_core.plugins import registry
 from skip_plugin_arithmetic import task as arithmetic
 from skip_plugin_arithmetic import tiny_model
 from skip_plugin_arithmetic.calculator import SCHEMA, evaluate
-from skip_plugin_arithmetic.task import ArithmeticOptions, ArithmeticTask, expression_of, rows, score
+from skip_plugin_arithmetic.task import (
+    ArithmeticOptions,
+    ArithmeticTask,
+    calls,
+    demonstration,
+    demonstrations,
+    expression_of,
+    problems,
+    rows,
+    score,
+)
 from skip_plugin_trainer.rollout.chat import ChatFormat
 from skip_plugin_trainer.rollout.tools import HermesParser
 from skiptests import assert_umask_modes
@@ -58,6 +72,56 @@ def test_problems_need_the_calculator():
     assert {op for e in expressions for op in "+-*" if f" {op} " in e} == set("+-*")
     assert any(e.startswith("(") for e in expressions) and any(not e.startswith("(") for e in expressions)
     assert max(len(evaluate(e)) for e in expressions) >= 7
+
+
+# Digests of the default task's rows and warm-up demonstrations, taken before long chains existed.
+DEFAULT_DIGESTS = {
+    "train": "d6c1f5d39abf18471f43c6c4cf0fcd882e92a4f7fdfac9ef61142001c8c09e76",
+    "val": "45cc313a602139d7274168487e029b590a7db1633c784fb068a1b1e6da85ac17",
+    "warmup": "42a6de3cccb04a7c5294e3195eea54af514d654295edaafc75841b1046bdb6d7",
+}
+
+
+def digest(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def test_the_default_options_pose_the_problems_and_demonstrations_they_always_did():
+    """No long chains (``long_share`` 0) draws nothing more: the default task's data and the warm-up
+    of its model are those of earlier releases, so the default run's numbers stay put."""
+    options = ArithmeticOptions()
+    shape = (options.seed, options.long_share, options.long_operations)
+    assert digest(rows("train", options.train_size, *shape)) == DEFAULT_DIGESTS["train"]
+    assert digest(rows("val", options.val_size, *shape)) == DEFAULT_DIGESTS["val"]
+    assert digest(demonstrations(arithmetic._WARMUP_PROBLEMS, *shape)) == DEFAULT_DIGESTS["warmup"]
+
+
+def test_long_chains_are_a_seeded_share_of_the_problems_one_calculator_call_per_operation():
+    pairs = problems("train", 2000, 0, long_share=0.15, long_operations=(6, 10))
+    assert pairs == problems("train", 2000, 0, long_share=0.15, long_operations=(6, 10))
+    assert pairs != problems("train", 2000, 1, long_share=0.15, long_operations=(6, 10))
+    operations = Counter(len(calls(*pair)) for pair in pairs)
+    assert set(operations) == {1, 2, 6, 7, 8, 9, 10}
+    assert 0.13 < sum(operations[n] for n in range(6, 11)) / len(pairs) < 0.17
+    for expression, answer in pairs:
+        assert evaluate(expression) == answer
+        steps = calls(expression, answer)
+        assert [evaluate(step) for step, _ in steps] == [result for _, result in steps]
+        if len(steps) > 2:  # a product only of a value under 1000: no copied number over 7 digits
+            assert max(len(result.lstrip("-")) for _, result in steps) <= 7
+
+
+def test_a_long_chain_is_demonstrated_one_turn_per_operation():
+    expression, answer = next(pair for pair in problems("warmup", 100, 0, 0.5, (8, 8)) if len(calls(*pair)) == 8)
+    assert expression.startswith("(" * 7)
+    conversation = demonstration(expression, answer)
+    turns = [message for message in conversation if message["role"] == "assistant"]
+    assert len(turns) == 9 and turns[-1]["content"] == f"Answer: {answer}"
+    called = [turn["tool_calls"][0]["function"]["arguments"]["expression"] for turn in turns[:-1]]
+    assert called == [step for step, _ in calls(expression, answer)]
+    results = [message["content"] for message in conversation if message["role"] == "tool"]
+    assert all(call.startswith(result) for call, result in zip(called[1:], results, strict=False))
+    assert results[-1] == answer
 
 
 def test_rows_are_shaped_like_verl():
@@ -116,6 +180,8 @@ def test_options_default_and_validate_naming_the_key():
         "train_size": 2000,
         "val_size": 64,
         "warmup_steps": 350,
+        "long_share": 0.0,
+        "long_operations": [6, 10],
     }
     options = parse_section(ArithmeticOptions, "task", OmegaConf.create({"name": "arithmetic", "train_size": 10}))
     assert (options.train_size, options.seed, options.name) == (10, 0, "arithmetic")
@@ -123,31 +189,73 @@ def test_options_default_and_validate_naming_the_key():
         parse_section(ArithmeticOptions, "task", {"val_size": 0})
     with pytest.raises(ConfigError, match=r"^task\.warmup_steps: expected an integer, got 'many'$"):
         parse_section(ArithmeticOptions, "task", {"warmup_steps": "many"})
-    allowed = r"\(allowed: dir, name, seed, train_size, val_size, warmup_steps\)"
+    with pytest.raises(ConfigError, match=r"^task\.long_share: expected a number, got 'many'$"):
+        parse_section(ArithmeticOptions, "task", {"long_share": "many"})
+    with pytest.raises(ConfigError, match=r"^task\.long_share: expected a number <= 1\.0, got 1\.5$"):
+        parse_section(ArithmeticOptions, "task", {"long_share": 1.5})
+    with pytest.raises(ConfigError, match=r"^task\.long_operations\[1\]: expected an integer, got 'x'$"):
+        parse_section(ArithmeticOptions, "task", {"long_operations": [6, "x"]})
+    ranges = r"expected \[least, most\] with 3 <= least <= most <= 16"
+    for bad in ([2, 5], [6], [10, 6], [6, 17]):
+        with pytest.raises(ConfigError, match=rf"^task\.long_operations: {ranges}, got {re.escape(str(bad))}$"):
+            parse_section(ArithmeticOptions, "task", {"long_operations": bad})
+    allowed = r"\(allowed: dir, long_operations, long_share, name, seed, train_size, val_size, warmup_steps\)"
     with pytest.raises(
         ConfigError, match=rf"^task\.trian_size: unknown key {allowed}; did you mean task\.train_size\?$"
     ):
         parse_section(ArithmeticOptions, "task", {"trian_size": 10})
 
 
+# The options the session's ``tiny_model_dir`` is built with (conftest.py).
+SESSION = ArithmeticOptions(train_size=64, val_size=8, warmup_steps=5)
+
+
 def test_prepare_is_idempotent_and_rebuilds_only_what_is_missing(tiny_model_dir, tmp_path):
     directory = tmp_path / "task"
     shutil.copytree(tiny_model_dir.parent, directory)
-    assets = ArithmeticTask().prepare(directory, ArithmeticOptions(), progress=False)
+    assets = ArithmeticTask().prepare(directory, SESSION, progress=False)
     assert assets.model_path == directory / "model"
     paths = [*assets.train_files, *assets.val_files, *assets.model_path.iterdir()]
     stamps = {path: path.stat().st_mtime_ns for path in paths}
 
-    assert ArithmeticTask().prepare(directory, ArithmeticOptions(), progress=False) == assets
+    assert ArithmeticTask().prepare(directory, SESSION, progress=False) == assets
     assert {path: path.stat().st_mtime_ns for path in paths} == stamps
 
     (val,) = assets.val_files
     val.unlink()
-    ArithmeticTask().prepare(directory, ArithmeticOptions(val_size=3), progress=False)
+    ArithmeticTask().prepare(directory, SESSION.model_copy(update={"val_size": 3}), progress=False)
     assert len(pq.read_table(val).to_pylist()) == 3
     assert {path: path.stat().st_mtime_ns for path in paths if path != val} == {
         path: stamp for path, stamp in stamps.items() if path != val
     }
+    assert json.loads((directory / "task.json").read_text())["data/val.parquet"]["val_size"] == 3
+
+
+def test_a_directory_built_with_other_options_is_refused_naming_them(tiny_model_dir, tmp_path):
+    """``task.long_share`` on the directory of a run without long chains must not train on its
+    problems and model: the run stops before any work and says which options differ."""
+    directory = tmp_path / "task"
+    shutil.copytree(tiny_model_dir.parent, directory)
+    stamps = {path: path.stat().st_mtime_ns for path in directory.rglob("*")}
+    long_tail = SESSION.model_copy(update={"long_share": 0.15})
+    refused = r"^task\.dir: .*/task/data/train\.parquet was built with task\.long_share=0\.0 \(this run: 0\.15\);"
+    with pytest.raises(ConfigError, match=refused + " delete it to rebuild it with this run's options"):
+        ArithmeticTask().prepare(directory, long_tail, progress=False)
+    with pytest.raises(ConfigError, match=r"/model was built with task\.warmup_steps=5 \(this run: 350\)"):
+        ArithmeticTask().prepare(directory, SESSION.model_copy(update={"warmup_steps": 350}), progress=False)
+    assert {path: path.stat().st_mtime_ns for path in directory.rglob("*")} == stamps
+
+
+def test_a_directory_built_before_the_record_is_taken_for_the_defaults(tiny_model_dir, tmp_path):
+    directory = tmp_path / "task"
+    shutil.copytree(tiny_model_dir.parent, directory)
+    (directory / "task.json").unlink()
+    unrecorded = r"train\.parquet has no record of the options it was built with .*\(task\.train_size=64\)"
+    with pytest.raises(ConfigError, match=unrecorded):
+        ArithmeticTask().prepare(directory, SESSION, progress=False)
+    assert not (directory / "task.json").exists()
+    ArithmeticTask().prepare(directory, ArithmeticOptions(), progress=False)
+    assert json.loads((directory / "task.json").read_text()) == arithmetic.built_with(ArithmeticOptions())
 
 
 def test_task_is_registered_by_default():
@@ -211,3 +319,27 @@ def test_default_warm_up_leaves_room_for_rl(tmp_path):
 def test_generated_data_gets_the_umask_modes(tmp_path, umask):
     arithmetic.write_parquet([{"a": 1}], tmp_path / "data" / "train.parquet")
     assert_umask_modes(tmp_path / "data", umask)
+
+
+def test_the_long_tail_config_fits_its_longest_requests():
+    """``skip run --config-name long_tail``: the longest chains it poses, as the warm-up demonstrates
+    them (graded or restated), fit its prompt, response and turn limits and the model's positions."""
+    from skip_plugin_trainer.commands import compose_config
+
+    config = compose_config(None, "long_tail", ())
+    options = parse_section(ArithmeticOptions, "task", config.task)
+    most = options.long_operations[1]
+    # The build's tokenizer: trained on the first warm-up stage, the default's demonstrations.
+    corpus = tiny_model.render(demonstrations(tiny_model.CORPUS_SIZE, options.seed), [SCHEMA])
+    tokenizer = tiny_model.build_tokenizer(corpus)
+    chat = ChatFormat(tokenizer)
+    for expression, answer in problems("longest", 100, options.seed, long_share=1.0, long_operations=(most, most)):
+        for graded in (True, False):
+            ids, sampled = tiny_model.conversation_ids(
+                chat, arithmetic.demonstration(expression, answer, graded), [SCHEMA]
+            )
+            prompt = sampled.index(True)
+            assert prompt <= config.data.max_prompt_length
+            assert len(ids) - prompt <= config.data.max_response_length
+            assert len(ids) <= tokenizer.model_max_length
+    assert config.rollout.multi_turn.max_turns > most

@@ -1,7 +1,9 @@
+import hashlib
 import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from skip_plugin_arithmetic import tiny_model
 from skip_plugin_arithmetic.calculator import SCHEMA
 from skip_plugin_arithmetic.task import demonstration, problems
@@ -171,3 +173,38 @@ def test_warm_up_progress_without_a_terminal_is_plain_lines_on_stdout_and_in_the
     assert "s left" in printed[0] and "s left" not in printed[-1]
     logged = log.read_text().splitlines()
     assert [line.split(" ", 2)[2] for line in logged] == printed  # the same lines, after a date and time
+
+
+def test_warm_up_batches_are_those_of_earlier_releases():
+    """The default build's batches, digested before batching by length existed: its model is unchanged."""
+    batches = tiny_model._batches(4000, 32, 350, seed=0)
+    assert hashlib.sha256(json.dumps(batches).encode()).hexdigest() == (
+        "21bfed773727090d5eb632a9777516b8c293fa693815cc34196792d02c7613d3"
+    )
+
+
+def test_batches_by_length_hold_the_same_examples_each_stretch_padded_less():
+    lengths = [300 if i % 7 == 0 else 80 + i % 20 for i in range(1000)]
+    plain = tiny_model._batches(1000, 8, 40, seed=0)
+    by_length = tiny_model._batches(1000, 8, 40, seed=0, lengths=lengths)
+    assert by_length == tiny_model._batches(1000, 8, 40, seed=0, lengths=lengths)
+    assert [len(batch) for batch in by_length] == [8] * 40
+    stretch = tiny_model.BUCKET
+
+    def examples(batches, start):
+        return sorted(i for batch in batches[start : start + stretch] for i in batch)
+
+    def padded(batches):
+        return sum(len(batch) * max(lengths[i] for i in batch) for batch in batches)
+
+    assert all(examples(plain, start) == examples(by_length, start) for start in range(0, 40, stretch))
+    assert padded(by_length) < 0.6 * padded(plain)
+
+
+def test_a_build_with_a_further_stage_starts_as_the_build_without_it(tmp_path, conversations, capsys):
+    more = tiny_model.Stage(conversations[::-1], steps=2, by_length=True, label="warm-up with long chains")
+    tiny_model.build(tmp_path / "one", conversations, [SCHEMA], steps=2, progress=False)
+    tiny_model.build(tmp_path / "two", conversations, [SCHEMA], steps=2, progress=False, then=[more])
+    assert (tmp_path / "one/tokenizer.json").read_text() == (tmp_path / "two/tokenizer.json").read_text()
+    one, two = (load_file(tmp_path / name / "model.safetensors") for name in ("one", "two"))
+    assert one.keys() == two.keys() and any(not torch.equal(one[key], two[key]) for key in one)

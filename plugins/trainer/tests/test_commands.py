@@ -8,6 +8,7 @@ from click.testing import CliRunner
 from skip_core import plugins
 from skip_core.cli import cli
 from skip_plugin_trainer.commands import compose_config
+from skip_plugin_trainer.settings import RunSettings
 from skiptests import ROOT
 
 
@@ -61,10 +62,27 @@ def test_a_config_of_the_users_own_includes_the_shipped_one():
     assert (config.trainer.seed, config.data.train_batch_size) == (3, 16)  # an override; the shipped run.yaml's value
 
 
+def test_the_long_tail_workload_is_a_shipped_config_named_on_the_command_line():
+    """``skip run --config-name long_tail``: the default run on problems with long chains, its task
+    built in a directory of its own, every section valid under each schedule."""
+    default = RunSettings.from_config(compose_config(None, "run", ()))
+    for schedule in ("sync", "one_step_off", "fully_async"):
+        settings = RunSettings.from_config(compose_config(None, "long_tail", (f"trainer.schedule={schedule}",)))
+        assert (settings.trainer.schedule, settings.trainer.experiment_name) == (schedule, "long_tail")
+    task = settings.task
+    assert (task.long_share, task.long_operations, default.task.long_share) == (0.15, [10, 16], 0.0)
+    assert task.dir != default.task.dir and settings.model.path == f"{task.dir}/model"
+    result = invoke("run", "--config-name", "long_tail", "task.long_operations=[2,5]")
+    assert result.exit_code == 1
+    assert "task.long_operations: expected [least, most] with 3 <= least <= most <= 16, got [2, 5]" in result.output
+
+
 def test_a_config_that_is_nowhere_names_where_it_was_looked_for(tmp_path):
     result = invoke("run", "--config-dir", str(tmp_path), "--config-name", "mine")
     assert result.exit_code == 2
-    assert f"--config-name: no mine.yaml in {tmp_path} or the shipped configs (rollout, run)" in result.output
+    assert (
+        f"--config-name: no mine.yaml in {tmp_path} or the shipped configs (long_tail, rollout, run)" in result.output
+    )
     result = invoke("run", "--config-dir", str(tmp_path / "nope"))
     assert result.exit_code == 2 and "--config-dir: no such directory" in result.output
 
