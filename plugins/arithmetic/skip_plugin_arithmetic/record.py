@@ -10,6 +10,7 @@ naming the keys that differ.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -40,7 +41,9 @@ class BuildRecord:
         if built is None:
             differ = {key: value for key, value in wanted.items() if self.defaults[piece].get(key) != value}
             if not differ:
-                return self.add(piece, wanted)
+                with contextlib.suppress(OSError):  # a directory shared read-only stays usable as it was
+                    self.add(piece, wanted)
+                return
             raise ConfigError(
                 f"task.dir: {self.directory / piece} has no record of the options it was built with (an earlier "
                 f"skip built it), and this run's are not the defaults ({_options(differ)}); {way_out}"

@@ -12,8 +12,8 @@ import torch
 from omegaconf import OmegaConf
 from skip_core.config import ConfigError, parse_section
 from skip_core.plugins import registry
+from skip_plugin_arithmetic import record, tiny_model
 from skip_plugin_arithmetic import task as arithmetic
-from skip_plugin_arithmetic import tiny_model
 from skip_plugin_arithmetic.calculator import SCHEMA, evaluate
 from skip_plugin_arithmetic.task import (
     ArithmeticOptions,
@@ -246,13 +246,21 @@ def test_a_directory_built_with_other_options_is_refused_naming_them(tiny_model_
     assert {path: path.stat().st_mtime_ns for path in directory.rglob("*")} == stamps
 
 
-def test_a_directory_built_before_the_record_is_taken_for_the_defaults(tiny_model_dir, tmp_path):
+def test_a_directory_built_before_the_record_is_taken_for_the_defaults(tiny_model_dir, tmp_path, monkeypatch):
     directory = tmp_path / "task"
     shutil.copytree(tiny_model_dir.parent, directory)
     (directory / "task.json").unlink()
     unrecorded = r"train\.parquet has no record of the options it was built with .*\(task\.train_size=64\)"
     with pytest.raises(ConfigError, match=unrecorded):
         ArithmeticTask().prepare(directory, SESSION, progress=False)
+    assert not (directory / "task.json").exists()
+
+    def read_only(path, data):
+        raise PermissionError(path)
+
+    with monkeypatch.context() as patch:  # shared read-only, it is used as it is
+        patch.setattr(record, "write_atomic", read_only)
+        ArithmeticTask().prepare(directory, ArithmeticOptions(), progress=False)
     assert not (directory / "task.json").exists()
     ArithmeticTask().prepare(directory, ArithmeticOptions(), progress=False)
     assert json.loads((directory / "task.json").read_text()) == arithmetic.built_with(ArithmeticOptions())
