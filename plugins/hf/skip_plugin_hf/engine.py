@@ -171,7 +171,12 @@ class HFBackend(RolloutBackend):
 
     async def _serve(self) -> None:
         try:
-            while not self._closed:
+            while True:
+                # Cleared before the flags are read: a shutdown, resume or arrival during this
+                # turn's awaits then ends the wait below instead of being lost.
+                self._arrived.clear()
+                if self._closed:
+                    break
                 if self._paused:
                     self._stop_batch()
                     await self._resumed.wait()
@@ -185,7 +190,6 @@ class HFBackend(RolloutBackend):
                         await self._decode()
                 elif not self._queue:
                     self._idle.set()
-                    self._arrived.clear()
                     await self._arrived.wait()
         finally:
             self._abort(self._active + list(self._queue))

@@ -497,6 +497,26 @@ def test_shutdown_aborts_running_and_queued_requests(tiny_hf_model_dir, hold_pas
         generate(backend, [1, 5], max_new_tokens=2)
 
 
+def test_shutdown_during_the_prefill_of_a_cancelled_request_ends_the_engine(tiny_hf_model_dir, hold_pass):
+    # A request timed out while its prefill ran: the engine comes back to an empty batch and an
+    # empty queue after the shutdown was asked for, and must not wait for arrivals (a run whose
+    # every request timed out hung there in CI).
+    backend = make_backend(tiny_hf_model_dir)
+    held = hold_pass(backend, 1)
+
+    async def main():
+        doomed = asyncio.create_task(backend.generate([1, 5], SamplingParams(max_new_tokens=10), "doomed"))
+        await held.reached(doomed)
+        doomed.cancel()
+        await asyncio.gather(doomed, return_exceptions=True)
+        held.release()
+        await asyncio.wait_for(backend.shutdown(), timeout=60)  # a lost wake-up waits forever
+        return doomed
+
+    assert asyncio.run(main()).cancelled()
+    assert backend._engine.done() and not backend._busy()
+
+
 @pytest.mark.loaded
 def test_pause_aborts_running_requests_with_their_tokens_and_holds_new_ones_until_resume(
     tiny_hf_model_dir, other_hf_model_dir, hold_pass

@@ -26,6 +26,7 @@ from skip_plugin_trainer.settings import RolloutSettings, RunSettings
 from skip_plugin_trainer.train.policy import Policy
 
 POOL_TIMEOUT_S = 60
+SHUTDOWN_TIMEOUT_S = 120
 STREAMED_PER_WORKER = 256
 
 
@@ -229,4 +230,5 @@ class RolloutGroup:
             ray.get([worker.update_weights.remote(state_dict, version, interrupt) for worker in self.workers])
 
     def shutdown(self) -> None:
-        ray.get([worker.shutdown.remote() for worker in self.workers])
+        """Bounded: an engine that never stops must not hang the run's exit (its pool kills it)."""
+        ray.get([worker.shutdown.remote() for worker in self.workers], timeout=SHUTDOWN_TIMEOUT_S)
