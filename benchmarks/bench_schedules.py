@@ -29,14 +29,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from cpu_use import CpuUse
 from rich.console import Console
 from rich.table import Table
 
@@ -62,8 +63,11 @@ def runs(pool_threads: int) -> dict[str, list[str]]:
     }
 
 
-def train(directory: Path, task_dir: Path, name: str, schedule: list[str], args: argparse.Namespace) -> list[dict]:
-    """``skip run`` of the workload on the backend with this schedule and the user's overrides (last)."""
+def train(
+    directory: Path, task_dir: Path, name: str, schedule: list[str], args: argparse.Namespace
+) -> tuple[list[dict], dict[str, float]]:
+    """``skip run`` of the workload on the backend with this schedule and the user's overrides
+    (last): its metrics rows, and the cores each of its processes used while it trained."""
     skip = Path(sys.executable).parent / "skip"
     run_dir = directory / name.replace(", ", "-").replace(" ", "_")
     shutil.rmtree(run_dir, ignore_errors=True)  # the previous round's
@@ -73,14 +77,14 @@ def train(directory: Path, task_dir: Path, name: str, schedule: list[str], args:
         f"rollout.backend={args.backend}",
         f"task.dir={task_dir}",
         *schedule,
-        f"trainer.total_training_steps={args.steps}",
+        *([f"trainer.total_training_steps={args.steps}"] if args.steps else []),
         f"trainer.default_local_dir={run_dir}",
         "trainer.resume_mode=disable",
         "trainer.save_freq=-1",
         *args.overrides,
     ]
-    subprocess.run([str(skip), "run", *overrides], check=True, capture_output=True)
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    cores = CpuUse(run_dir / "metrics.jsonl").run([str(skip), "run", *overrides], directory / f"{run_dir.name}.log")
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()], cores
 
 
 def samples_per_step(config_name: str, overrides: list[str]) -> int:
@@ -98,7 +102,7 @@ def rollout_idle(row: dict) -> float:
     return max(0.0, 1 - busy / row["timing_s/step"])
 
 
-def summary(rows: list[dict], samples: int) -> dict[str, float]:
+def summary(rows: list[dict], cores: dict[str, float], samples: int) -> dict[str, float]:
     steps = [r for r in rows if r["step"] > 0]
     total = sum(r["timing_s/step"] for r in steps)
     vals = [(0.0, r["val/score/mean"]) for r in rows if r["step"] == 0 and "val/score/mean" in r]
@@ -119,6 +123,7 @@ def summary(rows: list[dict], samples: int) -> dict[str, float]:
         "final": sum(v for _, v in vals[-2:]) / len(vals[-2:]) if vals else float("nan"),
         "gain_per_min": gain,
         "total": total,
+        **{f"cores_{role}": used for role, used in cores.items()},
         "curve": vals,
     }
 
@@ -126,7 +131,8 @@ def summary(rows: list[dict], samples: int) -> dict[str, float]:
 def median(rounds: list[dict]) -> dict:
     """Each number's median over the rounds; the curve of the round with the median wall time."""
     middle = sorted(rounds, key=lambda r: r["total"])[len(rounds) // 2]
-    numbers = {key: statistics.median(r[key] for r in rounds) for key, value in middle.items() if key != "curve"}
+    keys = [key for key in middle if key != "curve"]
+    numbers = {key: statistics.median(r.get(key, math.nan) for r in rounds) for key in keys}
     return {**numbers, "curve": middle["curve"]}
 
 
@@ -151,7 +157,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config-name", default="run", help="the workload: run (default) or long_tail")
     parser.add_argument("--backend", default="hf", help="rollout.backend for all three (default hf)")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=None, help="steps per run (default: the workload's own)")
     parser.add_argument("--rounds", type=int, default=2, help="runs per schedule, in a new random order each round")
     parser.add_argument("--task-dir", type=Path, default=None, help="a built embedded default to reuse")
     parser.add_argument("--plot", type=Path, default=None, help="where to write the score/time plot")
@@ -169,8 +175,8 @@ def main() -> None:
             order = random.sample(list(schedules), len(schedules))
             print(f"round {number + 1}/{args.rounds}: {', '.join(order)}", flush=True)
             for name in order:
-                rows = train(directory, task_dir, name, schedules[name], args)
-                rounds[name].append(summary(rows, samples))
+                rows, cores = train(directory, task_dir, name, schedules[name], args)
+                rounds[name].append(summary(rows, cores, samples))
         results = {name: median(found) for name, found in rounds.items()}
         report(results, f"skip run --config-name {args.config_name}, backend {args.backend}", args)
         path = args.plot or directory / "schedules.png"
@@ -185,10 +191,12 @@ def main() -> None:
 
 def report(results: dict[str, dict], workload: str, args: argparse.Namespace) -> None:
     ideal = results[POOLED]["ideal"]
-    title = f"{workload}: {args.steps} steps per schedule, median of {args.rounds} rounds (seconds; wall: sum of steps)"
+    steps = f"{args.steps} steps" if args.steps else "the workload's steps"
+    title = f"{workload}: {steps} per schedule, median of {args.rounds} rounds (seconds; wall: sum of steps)"
     table = Table(title=title)
     columns = ("schedule", "mean step", "samples/s", "gen (wait)", "rollout idle", "ideal overlap", "step / ideal")
-    for column in (*columns, "val first → last", "val gain/min", "wall"):
+    cores = "cores: rollout / actor / driver+ray (machine)"
+    for column in (*columns, "val first → last", "val gain/min", "wall", cores):
         table.add_column(column, justify="right")
     for name, r in results.items():
         table.add_row(
@@ -202,11 +210,19 @@ def report(results: dict[str, dict], workload: str, args: argparse.Namespace) ->
             f"{r['first_val']:.3f} → {r['last_val']:.3f}",
             f"{r['gain_per_min']:+.3f}",
             f"{r['total']:.1f}",
+            _cores(r),
         )
-    Console(width=160).print(table)
+    Console(width=200).print(table)
     print("targets")
     for name, ok, text in targets(results):
         print(f"  {name}: {text} -> {'met' if ok else 'MISSED'}")
+
+
+def _cores(r: dict) -> str:
+    if "cores_machine" not in r:
+        return "(too few steps)"
+    others = r["cores_driver"] + r["cores_ray"]
+    return f"{r['cores_rollout']:.2f} / {r['cores_actor']:.2f} / {others:.2f} ({r['cores_machine']:.2f})"
 
 
 def targets(results: dict[str, dict]) -> list[tuple[str, bool, str]]:
