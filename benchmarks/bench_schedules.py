@@ -20,8 +20,10 @@ beside the runs in the temporary directory, kept with `--keep`).
 The rollout idle ratio: `sync`, 1 - gen / step (the engines wait while the trainer works);
 `one_step_off`, 1 - generation's own time in the background / step; `fully_async`, the
 rollouter's own measure (`fully_async/rollouter/idle_ratio`: time with nothing to generate).
+The cores each process used while the run trained come from `cpu_use.py`: which side saturates.
 
     python benchmarks/bench_schedules.py                  # 20 steps, 2 rounds: about 8 minutes
+    python benchmarks/bench_schedules.py --config-name long_tail --rounds 1   # about 6 minutes
     python benchmarks/bench_schedules.py --config-name long_tail --backend vllm --plot schedules.png
 """
 

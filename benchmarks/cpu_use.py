@@ -5,7 +5,8 @@ workers, which the local Ray starts beneath it) and the machine's busy time ever
 ``INTERVAL_S``. The window is from the end of step 1 (model loading, Ray start-up and the first
 step's warm-up left out) to the last step's metrics row, the steps the benchmark's step times
 cover. A Ray worker is named by its process title (``ray::RolloutWorker...``, ``ray::Policy...``);
-everything else under the driver (raylet, GCS, idle workers) counts as ``ray``.
+a process a worker started (vLLM's engine core) counts as its worker; everything else under the
+driver (raylet, GCS, idle workers) counts as ``ray``.
 """
 
 from __future__ import annotations
@@ -34,14 +35,19 @@ class CpuUse:
             root = psutil.Process(process.pid)
             first = last = None
             rows = 0
-            while process.poll() is None:
-                time.sleep(INTERVAL_S)
-                snapshot = self._sample(root)
-                now_rows = self._step_rows()
-                if now_rows > rows:  # a step ended between the last sample and this one
-                    rows = now_rows
-                    first = first or snapshot
-                    last = snapshot
+            try:
+                while process.poll() is None:
+                    time.sleep(INTERVAL_S)
+                    snapshot = self._sample(root)
+                    now_rows = self._step_rows()
+                    if now_rows > rows:  # a step ended between the last sample and this one
+                        rows = now_rows
+                        first = first or snapshot
+                        last = snapshot
+            finally:  # interrupted: a run left behind would load the next one
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
         if process.returncode != 0:
             tail = "\n".join(log.read_text().splitlines()[-20:])
             raise RuntimeError(f"{' '.join(command[:2])} failed ({process.returncode}); see {log}:\n{tail}")
@@ -58,10 +64,12 @@ class CpuUse:
         for process in tree:
             try:
                 with process.oneshot():
+                    if self._roles.get(process.pid, "ray") == "ray":  # a Ray worker takes its title late
+                        parent = self._roles.get(process.ppid(), "ray")  # an engine's own processes (vLLM's core)
+                        role = parent if parent in ("rollout", "actor") else _role(process.cmdline())
+                        self._roles[process.pid] = "driver" if process is root else role
                     times = process.cpu_times()
                     self._seconds[process.pid] = times.user + times.system
-                    if self._roles.get(process.pid, "ray") == "ray":  # a Ray worker takes its title late
-                        self._roles[process.pid] = "driver" if process is root else _role(process.cmdline())
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
         totals = {"rollout": 0.0, "actor": 0.0, "driver": 0.0, "ray": 0.0}
