@@ -11,6 +11,7 @@ driver (raylet, GCS, idle workers) counts as ``ray``.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -44,9 +45,9 @@ class CpuUse:
                         rows = now_rows
                         first = first or snapshot
                         last = snapshot
-            finally:  # interrupted: a run left behind would load the next one
+            finally:  # interrupted: a run (or its Ray processes) left behind would load the next one
                 if process.poll() is None:
-                    process.kill()
+                    _kill_tree(root)
                     process.wait()
         if process.returncode != 0:
             tail = "\n".join(log.read_text().splitlines()[-20:])
@@ -85,9 +86,21 @@ class CpuUse:
             lines = self.metrics.read_text().splitlines()
         except FileNotFoundError:
             return 0
-        return sum(1 for line in lines if line.endswith("}") and not line.startswith('{"step": 0,'))
+        return sum(1 for line in lines if line.endswith("}") and json.loads(line)["step"] > 0)
 
 
 def _role(cmdline: list[str]) -> str:
     title = " ".join(cmdline)
     return next((role for prefix, role in ROLES.items() if title.startswith(prefix)), "ray")
+
+
+def _kill_tree(root: psutil.Process) -> None:
+    try:
+        tree = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for process in tree:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            continue
