@@ -125,9 +125,20 @@ def summary(rows: list[dict], cores: dict[str, float], samples: int) -> dict[str
         "final": sum(v for _, v in vals[-2:]) / len(vals[-2:]) if vals else float("nan"),
         "gain_per_min": gain,
         "total": total,
+        **engine(steps, total),
         **{f"cores_{role}": used for role, used in cores.items()},
         "curve": vals,
     }
+
+
+def engine(steps: list[dict], total: float) -> dict[str, float]:
+    """The engine's own account (hf counts it, `rollout/engine/*`): its mean running batch, and
+    the share of the run its forward passes took, summed over the rollout workers."""
+    passes = sum(r.get("rollout/engine/decode_passes", 0) for r in steps)
+    if not passes:
+        return {}
+    rows = sum(r["rollout/engine/decode_rows"] for r in steps)
+    return {"batch_rows": rows / passes, "engine_busy": sum(r["rollout/engine/forward_s"] for r in steps) / total}
 
 
 def median(rounds: list[dict]) -> dict:
@@ -198,7 +209,7 @@ def report(results: dict[str, dict], workload: str, args: argparse.Namespace) ->
     table = Table(title=title)
     columns = ("schedule", "mean step", "samples/s", "gen (wait)", "rollout idle", "ideal overlap", "step / ideal")
     cores = "cores: rollout / actor / driver+ray (machine)"
-    for column in (*columns, "val first → last", "val gain/min", "wall", cores):
+    for column in (*columns, "val first → last", "val gain/min", "wall", "engine: rows/pass, busy", cores):
         table.add_column(column, justify="right")
     for name, r in results.items():
         table.add_row(
@@ -212,6 +223,7 @@ def report(results: dict[str, dict], workload: str, args: argparse.Namespace) ->
             f"{r['first_val']:.3f} → {r['last_val']:.3f}",
             f"{r['gain_per_min']:+.3f}",
             f"{r['total']:.1f}",
+            f"{r['batch_rows']:.1f}, {r['engine_busy']:.0%}" if "batch_rows" in r else "",
             _cores(r),
         )
     Console(width=200).print(table)

@@ -95,6 +95,14 @@ class RolloutBackend(ABC):
         """Generate again after ``pause``."""
         raise NotImplementedError(f"rollout backend {type(self).__name__} cannot interrupt generation")
 
+    def counters(self) -> dict[str, float]:
+        """The engine's work since it started, as counts that only grow; the trainer logs each
+        step's increase as ``rollout/engine/<name>``, so a run shows how busy and how full the
+        engine was while each step trained. ``decode_rows`` over ``decode_passes`` is the mean
+        running batch (logged as ``rollout/engine/batch_rows_mean``); ``forward_s`` is the
+        seconds spent in forward passes. A backend that counts nothing returns none."""
+        return {}
+
 
 def create_backend(name: str, sections: Any, model_dir: Path) -> RolloutBackend:
     """Build the backend named by ``rollout.backend`` on ``model_dir``, with the options it reads

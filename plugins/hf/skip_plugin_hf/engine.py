@@ -117,6 +117,16 @@ class HFBackend(RolloutBackend):
             self._queue = deque(row for row in self._queue if row.request is not request)
             raise
 
+    def counters(self) -> dict[str, float]:
+        s = self.stats
+        return {
+            "decode_passes": s.decode_passes,
+            "decode_rows": s.rows_per_pass,
+            "forward_passes": s.forward_passes,
+            "forward_s": s.forward_seconds,
+            "tokens": s.tokens_generated,
+        }
+
     async def update_weights(self, state_dict: Mapping[str, Any]) -> None:
         if self._closed:
             raise RuntimeError("hf backend: update_weights after shutdown()")

@@ -279,6 +279,24 @@ def test_concurrent_requests_are_prefilled_in_one_batch(tiny_hf_model_dir):
     assert [len(out) for out in outs] == [1] * 16
 
 
+def test_counters_count_the_forward_passes_the_model_ran(tiny_hf_model_dir):
+    backend = make_backend(tiny_hf_model_dir)
+    assert backend.counters() == {name: 0 for name in backend.counters()}
+    seen = record_batches(backend)
+
+    async def main():
+        params = SamplingParams(max_new_tokens=6, seed=0)
+        return await asyncio.gather(*(backend.generate(p, params, f"r{i}") for i, p in enumerate(prompts(5))))
+
+    outs = asyncio.run(main())
+    counts = backend.counters()
+    decodes = [rows for rows, columns in seen if columns == 1]  # every prompt here is longer than one token
+    assert counts["forward_passes"] == len(seen) and counts["decode_passes"] == len(decodes)
+    assert counts["decode_rows"] == sum(decodes)
+    assert counts["tokens"] == sum(len(out[0].token_ids) for out in outs)
+    assert counts["forward_s"] > 0
+
+
 @pytest.mark.loaded
 def test_requests_arriving_during_a_pass_are_prefilled_together_and_join_the_batch(tiny_hf_model_dir, hold_pass):
     backend = make_backend(tiny_hf_model_dir)

@@ -95,6 +95,23 @@ def test_a_cached_run_loads_every_batch_instead_of_generating(profiled, task_dir
     assert profiled.trainer.rollout.calls == 4 and again.rollout.calls == 0
     replayed = metrics(profiled.directory / "run")
     assert [row["critic/score/mean"] for row in replayed] == [row["critic/score/mean"] for row in profiled.rows]
+    # The engine's own counters: it decoded every token the batches hold, and nothing on replay.
+    assert all(row["rollout/engine/tokens"] == 0 and "rollout/engine/batch_rows_mean" not in row for row in replayed)
+
+
+def test_each_step_logs_what_the_engine_did_meanwhile(profiled):
+    rows = profiled.rows
+    generated = sum(row["rollout/generated_tokens"] for row in rows)
+    assert sum(row["rollout/engine/tokens"] for row in rows) >= generated > 0
+    passes = sum(row["rollout/engine/decode_passes"] for row in rows)
+    decoded = sum(row["rollout/engine/decode_rows"] for row in rows)
+    assert passes <= sum(row["rollout/engine/forward_passes"] for row in rows)
+    assert 1 <= decoded / passes <= 64  # mean running batch: at most one batch of 16 prompts x 4 samples
+    for row in rows:
+        if row["rollout/engine/decode_passes"]:
+            assert row["rollout/engine/batch_rows_mean"] == pytest.approx(
+                row["rollout/engine/decode_rows"] / row["rollout/engine/decode_passes"]
+            )
 
 
 def test_without_bypass_old_log_probs_are_recomputed_and_importance_weighted(ray_session, task_dir, tmp_path):

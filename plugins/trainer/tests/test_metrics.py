@@ -14,6 +14,7 @@ from skip_plugin_trainer.train.metrics import (
     MetricsWarning,
     Tracking,
     data_metrics,
+    engine_metrics,
     plot,
     plot_figure,
     summary_table,
@@ -116,6 +117,20 @@ def test_timing_and_throughput_metrics():
 
 def read_steps(path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+def test_engine_metrics_are_the_step_increase_of_each_counter():
+    before = {"decode_passes": 10, "decode_rows": 40, "forward_s": 1.5}
+    now = {"decode_passes": 14, "decode_rows": 52, "forward_s": 2.0}
+    assert engine_metrics(before, now) == {
+        "rollout/engine/decode_passes": 4,
+        "rollout/engine/decode_rows": 12,
+        "rollout/engine/forward_s": 0.5,
+        "rollout/engine/batch_rows_mean": 3.0,
+    }
+    assert engine_metrics(now, now)["rollout/engine/decode_passes"] == 0
+    assert "rollout/engine/batch_rows_mean" not in engine_metrics(now, now)  # the engine was idle
+    assert engine_metrics({}, {}) == {}  # a backend that counts nothing
 
 
 def test_jsonl_and_console_lines_are_written_at_each_step(tmp_path):

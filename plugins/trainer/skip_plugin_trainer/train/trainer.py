@@ -39,6 +39,7 @@ from skip_plugin_trainer.train.metrics import (
     Tracking,
     check_backends,
     data_metrics,
+    engine_metrics,
     plot,
     summary_table,
     throughput_metrics,
@@ -93,6 +94,7 @@ class Trainer:
         self._actor_version = self._rollout_version = 0
         self._loader_states: dict[int, dict | None] = {}
         self._resumed_schedule_state: dict | None = None
+        self._engine_counts: dict[str, float] = {}
         spans.configure(s.sections, worker=-1)
 
     @property
@@ -146,6 +148,7 @@ class Trainer:
         """Validation before training when asked, then the schedule's steps under a progress bar."""
         if self.val_set is not None and self.settings.trainer.val_before_train and self.global_steps == 0:
             self.tracking.log(self.validate(), 0)
+        self._engine_counts = self.rollout.engine_counters()  # each step logs its engines' work from here
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         columns = (TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
@@ -174,6 +177,7 @@ class Trainer:
         SkipManager.set_step(step)
         with record.timed("step"):
             yield record
+            record.metrics.update(self._engine_metrics())
             if self._due(self.settings.trainer.save_freq, step):
                 # The line goes out before the checkpoint: a run killed in between resumes after
                 # this step and must still have its metrics.
@@ -191,6 +195,12 @@ class Trainer:
         metrics = {**record.metrics, **self._batch_metrics(batch, record.step), **timing_metrics(record.timing, batch)}
         if "step" in record.timing:
             metrics.update(throughput_metrics(record.timing, batch))
+        return metrics
+
+    def _engine_metrics(self) -> dict[str, float]:
+        counts = self.rollout.engine_counters()
+        metrics = engine_metrics(self._engine_counts, counts)
+        self._engine_counts = counts
         return metrics
 
     def prompts(self) -> Batch:

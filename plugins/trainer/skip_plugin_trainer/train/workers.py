@@ -57,6 +57,9 @@ class RolloutWorker:
         with spans.span("weight_sync", step=self.step):
             self.loop.update_weights(state_dict, version, interrupt)
 
+    def engine_counters(self) -> dict[str, float]:
+        return self.loop.backend.counters()
+
     def shutdown(self) -> None:
         """Stop the engine and write out the spans still buffered (``ray.kill`` would lose them)."""
         try:
@@ -228,6 +231,14 @@ class RolloutGroup:
         per call); ``interrupt`` pauses generations in flight instead of requiring none."""
         with spans.span("weight_sync"):
             ray.get([worker.update_weights.remote(state_dict, version, interrupt) for worker in self.workers])
+
+    def engine_counters(self) -> dict[str, float]:
+        """Every worker's engine counters (``RolloutBackend.counters``), summed."""
+        total: dict[str, float] = {}
+        for counts in ray.get([worker.engine_counters.remote() for worker in self.workers]):
+            for name, value in counts.items():
+                total[name] = total.get(name, 0.0) + value
+        return total
 
     def shutdown(self) -> None:
         """Bounded: an engine that never stops must not hang the run's exit (its pool kills it)."""
