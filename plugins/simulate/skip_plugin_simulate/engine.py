@@ -1,0 +1,164 @@
+"""Rollout engines with continuous batching, in virtual time.
+
+An engine decodes each running request one token per decode step, a step lasting
+``decode_s + decode_s_per_row x rows``. A request joins at the next step, after its prefill
+(``prefill_s_per_token`` per token of context, during which the engine decodes nothing), and
+leaves at the step that ends its turn; between turns it waits out of the batch for its tool.
+At most ``max_batch`` requests run and the rest queue. Between two changes of the running set
+every request advances at the same rate, so an engine computes when the next one ends instead
+of stepping token by token: a run of 400 steps on 128 engines is a few hundred thousand events.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from skip_plugin_simulate.clock import Clock
+from skip_plugin_simulate.config import Engines
+
+_EPS = 1e-6  # tokens: what float rounding may leave of a finished turn
+
+
+@dataclass(eq=False)
+class Request:
+    """One sample: the tokens it generates per turn, and what it prefills before each."""
+
+    prompt_tokens: int
+    turns: list[int]
+    tool_tokens: int
+    tool_s: float
+    version: int  # the weights it started with
+    on_done: Callable[[Request], None]
+    turn: int = 0
+    left: float = 0.0  # tokens left in this turn
+    context: int = 0  # tokens in its KV cache so far
+    prefill: int = 0  # tokens to prefill when it next joins a batch
+    last_version: int = 0
+    interruptions: int = 0
+    finished_at: float = 0.0
+    engine: Engine | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.left, self.prefill, self.last_version = float(self.turns[0]), self.prompt_tokens, self.version
+
+    @property
+    def response_tokens(self) -> int:
+        return sum(self.turns)
+
+
+class Engine:
+    def __init__(self, clock: Clock, spec: Engines) -> None:
+        self.clock, self.spec = clock, spec
+        self.running: list[Request] = []
+        self.queue: deque[Request] = deque()
+        self.away = 0  # requests out of the batch for a tool call
+        self.paused = False
+        self.busy_s = 0.0  # seconds prefilling or decoding
+        self.tokens = 0.0
+        self._stall = 0.0  # prefill seconds left before decoding goes on
+        self._since = 0.0
+        self._epoch = 0  # a scheduled end is stale once the running set changed
+
+    @property
+    def load(self) -> int:
+        return len(self.running) + len(self.queue) + self.away
+
+    def submit(self, request: Request) -> None:
+        request.engine = self
+        self.queue.append(request)
+        self._update()
+
+    def pause(self) -> None:
+        """Stop after the tokens so far; requests keep their progress (partial rollout)."""
+        self._update()
+        self.paused = True
+        self._epoch += 1
+
+    def resume(self) -> None:
+        """Go on; the requests that ran prefill their whole context again (their KV is gone)."""
+        self.paused = False
+        for request in self.running:
+            self._stall += self.spec.prefill_s_per_token * request.context
+        self._since = self.clock.now
+        self._update()
+
+    def _step_s(self) -> float:
+        return self.spec.decode_s + self.spec.decode_s_per_row * len(self.running)
+
+    def advance(self) -> None:
+        """Bring progress and busy time up to now (rates hold until the running set changes)."""
+        now, elapsed = self.clock.now, self.clock.now - self._since
+        self._since = now
+        if self.paused or not self.running:
+            return
+        stall = min(elapsed, self._stall)
+        self._stall -= stall
+        self.busy_s += elapsed
+        tokens = (elapsed - stall) / self._step_s()
+        self.tokens += tokens * len(self.running)
+        for request in self.running:
+            request.left -= tokens
+
+    def _update(self) -> None:
+        self.advance()
+        finished = [r for r in self.running if r.left <= _EPS]
+        self.running = [r for r in self.running if r.left > _EPS]
+        for request in finished:
+            self._end_turn(request)
+        while self.queue and not self.paused and len(self.running) < self.spec.max_batch:
+            request = self.queue.popleft()
+            self._stall += self.spec.prefill_s_per_token * request.prefill
+            request.context += request.prefill
+            request.prefill = 0
+            self.running.append(request)
+        self._epoch += 1
+        if self.paused or not self.running:
+            return
+        epoch = self._epoch
+        end = self.clock.now + self._stall + min(r.left for r in self.running) * self._step_s()
+        self.clock.at(end, lambda: epoch == self._epoch and self._update())
+
+    def _end_turn(self, request: Request) -> None:
+        request.context += request.turns[request.turn]
+        request.turn += 1
+        if request.turn == len(request.turns):
+            request.finished_at = self.clock.now
+            request.on_done(request)
+            return
+        request.left, request.prefill = float(request.turns[request.turn]), request.tool_tokens
+        self.away += 1
+
+        def back() -> None:
+            self.away -= 1
+            self.submit(request)
+
+        self.clock.after(request.tool_s, back)
+
+
+class Rollout:
+    """The engines of a run: a request goes to the least loaded, as a router would send it."""
+
+    def __init__(self, clock: Clock, spec: Engines, count: int) -> None:
+        self.engines = [Engine(clock, spec) for _ in range(count)]
+        self.in_flight: set[Request] = set()
+
+    def submit(self, request: Request) -> None:
+        self.in_flight.add(request)
+        min(self.engines, key=lambda engine: engine.load).submit(request)
+
+    def done(self, request: Request) -> None:
+        self.in_flight.discard(request)
+
+    def pause(self) -> None:
+        for engine in self.engines:
+            engine.pause()
+
+    def resume(self, version: int) -> None:
+        """New weights: every request in flight goes on with them."""
+        for request in self.in_flight:
+            request.interruptions += 1
+            request.last_version = version
+        for engine in self.engines:
+            engine.resume()

@@ -1,0 +1,226 @@
+"""A trainer in virtual time: ``skip_core.schedule.Run`` with no model and no Ray.
+
+A schedule plugin cannot tell it from the real trainer: ``generate`` returns a future that
+the simulated engines complete, ``train`` and ``sync_weights`` block for their modelled time,
+``step`` checkpoints and logs. What it logs is measured on the virtual clock, not read from
+the schedule's own timers, which run in real time. Validation is not modelled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from skip_core.batch import Batch
+from skip_core.schedule import StepRecord
+
+from skip_plugin_simulate.clock import Clock
+from skip_plugin_simulate.config import Simulation
+from skip_plugin_simulate.engine import Request, Rollout
+from skip_plugin_simulate.workload import Workload
+
+
+class Crash(RuntimeError):
+    """The simulated trainer stopped at the start of a step, as a killed run would."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    loader: dict
+    schedule_state: dict | None
+
+
+@dataclass
+class Timeline:
+    """What a simulated run did: one row of metrics per step, and each step's samples."""
+
+    rows: list[dict[str, float]] = field(default_factory=list)
+    trained: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)  # step -> (epoch, prompt, offset)
+    checkpoints: dict[int, Checkpoint] = field(default_factory=dict)
+    crashed: bool = False
+    #: At each weight sync after the first: the prompts fed or trained-pending when the window
+    #: before it opened (carried over), and the prompts fed during it: what a staleness bound caps.
+    windows: list[tuple[int, int]] = field(default_factory=list)
+    engines: int = 0
+    trainer_devices: int = 0
+
+
+class SimulatedRun:
+    def __init__(
+        self, sim: Simulation, overlapped: bool, clock: Clock, resume: Checkpoint | None = None, crash_at: int = 0
+    ) -> None:
+        self.sim, self.clock, self.overlapped, self.crash_at = sim, clock, overlapped, crash_at
+        self.train_batch_size, self.ppo_mini_batch_size = sim.data.train_batch_size, sim.actor.ppo_mini_batch_size
+        devices, split = sim.cluster.devices, sim.cluster.rollout_devices
+        self.trainer_devices = devices - split if overlapped else devices
+        self.engine_count = (split if overlapped else devices) // sim.engines.devices_per_engine
+        self.rollout = Rollout(clock, sim.engines, self.engine_count)
+        self.workload = Workload(sim.requests, sim.trainer.seed)
+        self.timeline = Timeline(engines=self.engine_count, trainer_devices=self.trainer_devices)
+        self.global_steps = resume.step if resume else 0
+        self._actor_version = self._rollout_version = self.global_steps
+        self._loader = dict(resume.loader) if resume else {"epoch": 0, "index": 0}
+        self._resume_state = resume.schedule_state if resume else None
+        self._loader_states: dict[int, dict] = {}
+        self._generating = 0
+        self._busy_before = 0.0
+        self._spent = {"train": 0.0, "sync": 0.0}  # this step's virtual seconds training and syncing
+        self._fed = self._trained = self._fed_in_window = self._carried = 0  # prompts
+        self._synced_once = False
+
+    # -- skip_core.schedule.Run --------------------------------------------------------
+
+    def steps(self) -> range:
+        return range(self.global_steps + 1, self.sim.trainer.total_training_steps + 1)
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[StepRecord]:
+        if step == self.crash_at:
+            raise Crash(f"the simulated trainer stopped at step {step}")
+        record, start = StepRecord(step), self.clock.now
+        self._spent = {"train": 0.0, "sync": 0.0}
+        yield record
+        freq = self.sim.trainer.save_freq
+        if freq > 0 and step % freq == 0:
+            loader = record.loader_state or self._loader_states.get(step) or self._loader  # as the trainer saves it
+            self.timeline.checkpoints[step] = Checkpoint(step, dict(loader), record.schedule_state)
+        self.global_steps = step
+        self._loader_states.pop(step, None)
+        self.timeline.rows.append(self._row(record, start))
+
+    def prompts(self) -> Batch:
+        before = dict(self._loader)
+        first, size = before["index"], self.train_batch_size
+        indices = [(first + i) % self.sim.data.prompts for i in range(size)]
+        epochs = [before["epoch"] + (first + i) // self.sim.data.prompts for i in range(size)]
+        after = {
+            "epoch": epochs[-1] + (indices[-1] + 1) // self.sim.data.prompts,
+            "index": (indices[-1] + 1) % self.sim.data.prompts,
+        }
+        self._loader = after
+        meta = {"epoch": before["epoch"], "loader_state_before": before, "loader_state": dict(after)}
+        return Batch(non_tensor_batch={"prompt": np.array(indices), "epoch": np.array(epochs)}, meta_info=meta)
+
+    def resume_state(self) -> dict | None:
+        return self._resume_state
+
+    def generate(self, prompts: Batch, step: int, sample_id: str | None = None) -> Future:
+        state = prompts.meta_info.get("loader_state")
+        if sample_id is None and state is not None:
+            self._loader_states[step] = state
+        future: Future = Future()
+        rows = [
+            (e, p, o)
+            for e, p in zip(prompts.non_tensor_batch["epoch"], prompts.non_tensor_batch["prompt"], strict=True)
+            for o in range(self.sim.rollout.n)
+        ]
+        done: list[Request] = []
+        start = self.clock.now
+
+        def finished(request: Request) -> None:
+            self.rollout.done(request)
+            done.append(request)
+            if len(done) == len(requests):
+                self._generating -= 1
+                batch = self._batch(rows, requests, self.clock.now - start)
+                self.clock.wake(lambda: future.set_result(batch))
+
+        with self.clock.lock:
+            self._generating += 1
+            self._fed += len(prompts)
+            self._fed_in_window += len(prompts)
+            requests = [self._request(*row, finished) for row in rows]
+            for request in requests:
+                self.rollout.submit(request)
+        return future
+
+    def train(self, batch: Batch, record: StepRecord) -> None:
+        record.batch = batch
+        extras = batch.non_tensor_batch
+        stale = self._actor_version - extras["min_weight_version"]
+        record.metrics["training/staleness"] = float(stale.mean())
+        record.metrics["training/staleness_max"] = float(stale.max())
+        tokens = float(extras["prompt_tokens"].sum() + extras["response_tokens"].sum())
+        seconds = self.sim.training.fixed_s + self.sim.training.s_per_token * tokens / self.trainer_devices
+        self.clock.sleep(seconds)
+        self._spent["train"] += seconds
+        self._actor_version = record.step
+        self._trained += len(batch) // self.sim.rollout.n
+        self.timeline.trained[record.step] = [
+            (int(e), int(p), int(o))
+            for e, p, o in zip(extras["epoch"], extras["prompt"], extras["offset"], strict=True)
+        ]
+
+    def sync_weights(self, interrupt: bool = False) -> None:
+        if not interrupt and self._generating:
+            raise RuntimeError("sync_weights: a generation is in flight; wait for it first")
+        seconds = self.sim.weight_sync.seconds + (0.0 if self.overlapped else self.sim.weight_sync.colocated_switch_s)
+        with self.clock.lock:
+            if interrupt:
+                self.rollout.pause()
+        self.clock.sleep(seconds)
+        with self.clock.lock:
+            if self._synced_once:
+                self.timeline.windows.append((self._carried, self._fed_in_window))
+            self._synced_once = True
+            self._carried, self._fed_in_window = self._fed - self._trained, 0
+            self._rollout_version = self._actor_version
+            if interrupt:
+                self.rollout.resume(self._rollout_version)
+        self._spent["sync"] += seconds
+
+    def after_update(self, record: StepRecord, interrupt: bool = False) -> None:
+        """Validation is not modelled: nothing to do."""
+
+    # -- the simulation's side ---------------------------------------------------------
+
+    def _request(self, epoch: int, prompt: int, offset: int, on_done: Any) -> Request:
+        shape = self.workload.sample(int(epoch), int(prompt), offset)
+        return Request(
+            shape.prompt_tokens, shape.turns, shape.tool_tokens, shape.tool_s, self._rollout_version, on_done
+        )
+
+    def _batch(self, rows: list[tuple[int, int, int]], requests: list[Request], seconds: float) -> Batch:
+        columns = {
+            "epoch": [e for e, _, _ in rows],
+            "prompt": [p for _, p, _ in rows],
+            "offset": [o for _, _, o in rows],
+            "prompt_tokens": [r.prompt_tokens for r in requests],
+            "response_tokens": [r.response_tokens for r in requests],
+            "min_weight_version": [r.version for r in requests],
+            "max_weight_version": [r.last_version for r in requests],
+            "interruptions": [r.interruptions for r in requests],
+        }
+        return Batch(non_tensor_batch={k: np.array(v) for k, v in columns.items()}, meta_info={"generate_s": seconds})
+
+    def _row(self, record: StepRecord, start: float) -> dict[str, float]:
+        elapsed = self.clock.now - start
+        with self.clock.lock:
+            for engine in self.rollout.engines:
+                engine.advance()
+            busy = sum(engine.busy_s for engine in self.rollout.engines)
+        engine_busy, self._busy_before = busy - self._busy_before, busy
+        extras = record.batch.non_tensor_batch
+        # A schedule's own ratios (trainer/idle_ratio, fully_async/rollouter/idle_ratio) time real
+        # seconds; the virtual clock's replace them.
+        own = {key: value for key, value in record.metrics.items() if not key.endswith("idle_ratio")}
+        return {
+            **own,
+            "step": record.step,
+            "time_s": self.clock.now,
+            "timing_s/step": elapsed,
+            "timing_s/train": self._spent["train"],
+            "timing_s/sync": self._spent["sync"],
+            "trainer/idle_ratio": max(0.0, elapsed - self._spent["train"] - self._spent["sync"]) / elapsed
+            if elapsed
+            else 0.0,
+            "rollout/busy_ratio": engine_busy / (elapsed * self.engine_count) if elapsed else 0.0,
+            "samples": float(len(record.batch)),
+            "response_length/mean": float(extras["response_tokens"].mean()),
+            "partial_samples": float((extras["interruptions"] > 0).sum()),
+        }

@@ -1,0 +1,86 @@
+"""Run an installed schedule against the simulated trainer, and sum up what it did."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import OmegaConf
+from skip_core.config import ConfigError, lookup
+from skip_core.plugins import registry
+from skip_core.sections import Sections, parse_sections
+
+from skip_plugin_simulate.clock import Clock
+from skip_plugin_simulate.config import Simulation
+from skip_plugin_simulate.run import Checkpoint, Crash, SimulatedRun, Timeline
+
+
+@dataclass(frozen=True)
+class Summary:
+    schedule: str
+    steps: int
+    wall_s: float
+    step_s: float
+    samples_per_s: float
+    trainer_idle: float
+    rollout_busy: float
+    staleness_mean: float
+    staleness_max: float
+    partial_ratio: float
+
+
+def load(config: Any) -> tuple[Simulation, Sections]:
+    """The simulation's own keys, and the schedules' sections (``async_training`` ...) as each
+    plugin declares them; a bad key is a ``ConfigError`` naming it."""
+    raw = OmegaConf.to_container(config, resolve=True) if OmegaConf.is_config(config) else dict(config)
+    own = {key: value for key, value in raw.items() if key in Simulation.model_fields}
+    try:
+        sim = Simulation.model_validate(own)
+    except ValueError as exc:
+        raise ConfigError(f"skip simulate: {exc}") from None
+    declared = registry().kinds.get("sections", {})
+    theirs = {key: model for key, model in declared.items() if key.split(".")[0] not in Simulation.model_fields}
+    return sim, parse_sections(raw, theirs)
+
+
+def simulate(
+    sim: Simulation, schedule: str, sections: Sections, resume: Checkpoint | None = None, crash_at: int = 0
+) -> Timeline:
+    """``schedule`` (any installed schedule plugin) trains the simulated run to its end, or up
+    to ``crash_at``, where it fails with ``Crash``; the timeline holds what it did until then."""
+    factory = lookup("--schedule", "schedule", schedule, registry().kinds.get("schedules", {}))
+    plan = factory(sections)
+    run = SimulatedRun(sim, plan.overlapped, Clock(), resume=resume, crash_at=crash_at)
+    try:
+        run.clock.run(lambda: plan.fit(run))
+    except Crash:
+        run.timeline.crashed = True
+    return run.timeline
+
+
+def summarize(schedule: str, timeline: Timeline) -> Summary:
+    rows = timeline.rows
+    wall = rows[-1]["time_s"] - (rows[0]["time_s"] - rows[0]["timing_s/step"]) if rows else 0.0
+
+    def mean(key: str) -> float:
+        return sum(row.get(key, 0.0) for row in rows) / len(rows) if rows else 0.0
+
+    samples = sum(row["samples"] for row in rows)
+    return Summary(
+        schedule=schedule,
+        steps=len(rows),
+        wall_s=wall,
+        step_s=mean("timing_s/step"),
+        samples_per_s=samples / wall if wall else 0.0,
+        trainer_idle=mean("trainer/idle_ratio"),
+        rollout_busy=mean("rollout/busy_ratio"),
+        staleness_mean=mean("training/staleness"),
+        staleness_max=max((row.get("training/staleness_max", 0.0) for row in rows), default=0.0),
+        partial_ratio=sum(row["partial_samples"] for row in rows) / samples if samples else 0.0,
+    )
+
+
+def overrides_to_config(base: Mapping[str, Any], overrides: list[str]) -> Any:
+    """A preset's keys with ``key=value`` overrides on top (OmegaConf's dotlist syntax)."""
+    return OmegaConf.merge(OmegaConf.create(dict(base)), OmegaConf.from_dotlist(list(overrides)))
