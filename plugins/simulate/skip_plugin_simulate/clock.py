@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from types import FrameType
 
@@ -35,8 +36,9 @@ class Deadlock(RuntimeError):
 
 
 class Clock:
-    def __init__(self) -> None:
+    def __init__(self, foreign_s: float = 5.0) -> None:
         self.now = 0.0
+        self.foreign_s = foreign_s
         self.lock = threading.RLock()  # held while an event changes the simulated state
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._order = itertools.count()
@@ -65,18 +67,20 @@ class Clock:
         raising what it raised. ``Deadlock`` names where each thread waits."""
         before = set(threading.enumerate())
         failure: list[BaseException] = []
+        returned = threading.Event()
 
         def main() -> None:
             try:
                 target()
             except BaseException as exc:  # re-raised in the caller's thread
                 failure.append(exc)
+            finally:
+                returned.set()
 
-        thread = threading.Thread(target=main, name="skip-simulate", daemon=True)
-        thread.start()
+        threading.Thread(target=main, name="skip-simulate", daemon=True).start()
         while True:
             self._settle(before)
-            if not thread.is_alive():
+            if returned.is_set():
                 break
             with self.lock:
                 if not self._events:
@@ -91,23 +95,39 @@ class Clock:
             raise failure[0]
 
     def _settle(self, before: set[threading.Thread]) -> None:
-        """Return once every thread started since ``before`` waits or has ended."""
+        """Return once every thread started since ``before`` waits or has ended. A thread that
+        stays at one instruction for ``foreign_s`` (blocked in C: a socket, a foreign lock) is
+        not the simulation's, a library's background thread born meanwhile: it is left out."""
         me = threading.current_thread()
+        still: dict[threading.Thread, tuple[int, int, float]] = {}
         while True:
             frames = sys._current_frames()
+            # A thread without a frame is starting or ending: running, for an instant.
             running = [
                 t
                 for t in threading.enumerate()
-                if t not in before and t is not me and t.ident in frames and not _waits(frames[t.ident])
+                if t not in before and t is not me and not _waits(frames.get(t.ident), frames)
             ]
             if not running:
                 return
+            now = time.monotonic()
+            for thread in running:
+                frame = frames.get(thread.ident)
+                where = (id(frame), frame.f_lasti if frame else -1)
+                seen = still.get(thread)
+                if seen is None or seen[:2] != where:
+                    still[thread] = (*where, now)
+                elif now - seen[2] > self.foreign_s:
+                    warnings.warn(f"thread {thread.name!r} is not the simulation's: left out", stacklevel=2)
+                    before.add(thread)
             time.sleep(_POLL_S)
 
 
-def _waits(frame: FrameType) -> bool:
-    if frame.f_code is _JOIN:
-        return True
+def _waits(frame: FrameType | None, frames: dict[int, FrameType]) -> bool:
+    if frame is None:
+        return False
+    if frame.f_code is _JOIN:  # waits while the thread it joins still runs Python code
+        return frame.f_locals.get("self").ident in frames
     if frame.f_code is not _CONDITION_WAIT:
         return False
     names = frame.f_locals

@@ -90,8 +90,19 @@ class TrainerKeys(_Model):
     seed: int = 1
 
 
+class Published(_Model):
+    """What a paper or a project's docs reported for the scenario a preset models, printed next
+    to the prediction: throughput of each schedule against ``baseline``'s."""
+
+    source: str
+    baseline: str = "sync"
+    speedup: dict[str, float] = {}
+
+
 class Simulation(_Model):
     """A whole ``skip simulate`` config, bar the schedules' own sections."""
+
+    published: Published | None = None
 
     requests: Requests = Requests()
     engines: Engines = Engines()

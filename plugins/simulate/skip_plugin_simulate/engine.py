@@ -11,9 +11,11 @@ of stepping token by token: a run of 400 steps on 128 engines is a few hundred t
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from skip_plugin_simulate.clock import Clock
 from skip_plugin_simulate.config import Engines
@@ -32,16 +34,14 @@ class Request:
     version: int  # the weights it started with
     on_done: Callable[[Request], None]
     turn: int = 0
-    left: float = 0.0  # tokens left in this turn
     context: int = 0  # tokens in its KV cache so far
     prefill: int = 0  # tokens to prefill when it next joins a batch
     last_version: int = 0
     interruptions: int = 0
     finished_at: float = 0.0
-    engine: Engine | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        self.left, self.prefill, self.last_version = float(self.turns[0]), self.prompt_tokens, self.version
+        self.prefill, self.last_version = self.prompt_tokens, self.version
 
     @property
     def response_tokens(self) -> int:
@@ -49,24 +49,29 @@ class Request:
 
 
 class Engine:
+    """Every running request decodes one token per step, so one number, the tokens each has
+    decoded since the engine started (``_progress``), says how far all of them are; a request's
+    turn ends at a progress fixed when it joins, and a heap of those ends gives the next one."""
+
     def __init__(self, clock: Clock, spec: Engines) -> None:
         self.clock, self.spec = clock, spec
-        self.running: list[Request] = []
         self.queue: deque[Request] = deque()
         self.away = 0  # requests out of the batch for a tool call
         self.paused = False
         self.busy_s = 0.0  # seconds prefilling or decoding
         self.tokens = 0.0
+        self._ends: list[tuple[float, int, Request]] = []  # (progress at which its turn ends, order, request)
+        self._order = itertools.count()
+        self._progress = 0.0
         self._stall = 0.0  # prefill seconds left before decoding goes on
         self._since = 0.0
         self._epoch = 0  # a scheduled end is stale once the running set changed
 
     @property
-    def load(self) -> int:
-        return len(self.running) + len(self.queue) + self.away
+    def running(self) -> int:
+        return len(self._ends)
 
     def submit(self, request: Request) -> None:
-        request.engine = self
         self.queue.append(request)
         self._update()
 
@@ -77,48 +82,45 @@ class Engine:
         self._epoch += 1
 
     def resume(self) -> None:
-        """Go on; the requests that ran prefill their whole context again (their KV is gone)."""
+        """Go on; the requests that ran prefill their context again (their KV cache is gone)."""
         self.paused = False
-        for request in self.running:
-            self._stall += self.spec.prefill_s_per_token * request.context
+        self._stall += self.spec.prefill_s_per_token * sum(request.context for _, _, request in self._ends)
         self._since = self.clock.now
         self._update()
 
-    def _step_s(self) -> float:
-        return self.spec.decode_s + self.spec.decode_s_per_row * len(self.running)
-
     def advance(self) -> None:
         """Bring progress and busy time up to now (rates hold until the running set changes)."""
-        now, elapsed = self.clock.now, self.clock.now - self._since
-        self._since = now
-        if self.paused or not self.running:
+        elapsed = self.clock.now - self._since
+        self._since = self.clock.now
+        if self.paused or not self._ends:
             return
         stall = min(elapsed, self._stall)
         self._stall -= stall
         self.busy_s += elapsed
         tokens = (elapsed - stall) / self._step_s()
-        self.tokens += tokens * len(self.running)
-        for request in self.running:
-            request.left -= tokens
+        self._progress += tokens
+        self.tokens += tokens * len(self._ends)
+
+    def _step_s(self) -> float:
+        return self.spec.decode_s + self.spec.decode_s_per_row * len(self._ends)
 
     def _update(self) -> None:
         self.advance()
-        finished = [r for r in self.running if r.left <= _EPS]
-        self.running = [r for r in self.running if r.left > _EPS]
-        for request in finished:
-            self._end_turn(request)
-        while self.queue and not self.paused and len(self.running) < self.spec.max_batch:
+        while self._ends and self._ends[0][0] <= self._progress + _EPS:
+            self._end_turn(heapq.heappop(self._ends)[2])
+        while self.queue and not self.paused and len(self._ends) < self.spec.max_batch:
             request = self.queue.popleft()
             self._stall += self.spec.prefill_s_per_token * request.prefill
             request.context += request.prefill
             request.prefill = 0
-            self.running.append(request)
+            end = self._progress + request.turns[request.turn]
+            heapq.heappush(self._ends, (end, next(self._order), request))
         self._epoch += 1
-        if self.paused or not self.running:
+        if self.paused or not self._ends:
             return
         epoch = self._epoch
-        end = self.clock.now + self._stall + min(r.left for r in self.running) * self._step_s()
-        self.clock.at(end, lambda: epoch == self._epoch and self._update())
+        when = self.clock.now + self._stall + (self._ends[0][0] - self._progress) * self._step_s()
+        self.clock.at(when, lambda: epoch == self._epoch and self._update())
 
     def _end_turn(self, request: Request) -> None:
         request.context += request.turns[request.turn]
@@ -127,7 +129,7 @@ class Engine:
             request.finished_at = self.clock.now
             request.on_done(request)
             return
-        request.left, request.prefill = float(request.turns[request.turn]), request.tool_tokens
+        request.prefill = request.tool_tokens
         self.away += 1
 
         def back() -> None:
@@ -138,18 +140,31 @@ class Engine:
 
 
 class Rollout:
-    """The engines of a run: a request goes to the least loaded, as a router would send it."""
+    """The engines of a run: a request goes to the engine with the fewest unfinished requests,
+    as a router would send it (a heap with stale entries skipped keeps that O(log engines))."""
 
     def __init__(self, clock: Clock, spec: Engines, count: int) -> None:
         self.engines = [Engine(clock, spec) for _ in range(count)]
-        self.in_flight: set[Request] = set()
+        self.in_flight: dict[Request, int] = {}  # request -> its engine
+        self._load = [0] * count
+        self._least = [(0, index) for index in range(count)]
 
     def submit(self, request: Request) -> None:
-        self.in_flight.add(request)
-        min(self.engines, key=lambda engine: engine.load).submit(request)
+        while True:
+            load, index = heapq.heappop(self._least)
+            if load == self._load[index]:
+                break
+        self._set_load(index, load + 1)
+        self.in_flight[request] = index
+        self.engines[index].submit(request)
 
     def done(self, request: Request) -> None:
-        self.in_flight.discard(request)
+        index = self.in_flight.pop(request)
+        self._set_load(index, self._load[index] - 1)
+
+    def _set_load(self, index: int, load: int) -> None:
+        self._load[index] = load
+        heapq.heappush(self._least, (load, index))
 
     def pause(self) -> None:
         for engine in self.engines:
