@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import click
 from omegaconf import OmegaConf
 from rich.console import Console
-from rich.table import Table
 from skip_core.config import ConfigError
 from skip_core.plugins import registry
 
-from skip_plugin_simulate.simulate import Summary, load, overrides_to_config, simulate, summarize
+from skip_plugin_simulate.measured import Measured, read_profile
+from skip_plugin_simulate.report import Result, plot, published, recommendation, table
+from skip_plugin_simulate.simulate import load, overrides_to_config, simulate, summarize
+from skip_plugin_simulate.workload import Workload
 
 PRESETS = Path(__file__).parent / "presets"
 
@@ -27,58 +30,80 @@ def preset(name: str) -> tuple[str, dict]:
     return path.stem, OmegaConf.to_container(OmegaConf.load(path)) or {}
 
 
-def table(summaries: list[Summary], title: str) -> Table:
-    out = Table(title=title)
-    columns = ("schedule", "steps", "mean step", "samples/s", "vs sync", "trainer idle", "rollout busy")
-    for column in (*columns, "staleness mean / max", "partial"):
-        out.add_column(column, justify="right")
-    base = next((s.samples_per_s for s in summaries if s.schedule == "sync"), None)
-    for s in summaries:
-        out.add_row(
-            s.schedule,
-            str(s.steps),
-            f"{s.step_s:.1f} s",
-            f"{s.samples_per_s:.2f}",
-            f"{s.samples_per_s / base:.2f}x" if base else "",
-            f"{s.trainer_idle:.0%}",
-            f"{s.rollout_busy:.0%}",
-            f"{s.staleness_mean:.2f} / {s.staleness_max:.0f}",
-            f"{s.partial_ratio:.0%}",
-        )
-    return out
+def sweep_points(sweeps: tuple[str, ...]) -> list[list[str]]:
+    """``key=a,b`` options as every combination of ``key=value`` overrides."""
+    axes = []
+    for sweep in sweeps:
+        key, sep, values = sweep.partition("=")
+        if not sep or not key or not values:
+            raise click.BadParameter(f"{sweep!r}: expected key=value1,value2,...", param_hint="--sweep")
+        axes.append([f"{key}={value}" for value in values.split(",")])
+    return [list(point) for point in itertools.product(*axes)]
+
+
+def describe(m: Measured, directory: Path) -> str:
+    samples = sum(len(group) for group in m.groups)
+    return (
+        f"measured in {directory}: {len(m.groups)} prompts, {samples} samples, {m.steps} steps; engine fit on"
+        f" {m.spans} turns: decode step {1000 * m.decode_s:.2f} ms + {1000 * m.decode_s_per_row:.3f} ms per row"
+        f" (at most {m.max_batch} rows seen), prefill {1e6 * m.prefill_s_per_token:.1f} us per token; training"
+        f" {m.fixed_s:.3f} s + {1e6 * m.s_per_token:.1f} us per token; weight sync {m.sync_s:.3f} s"
+    )
 
 
 def register(cli: click.Group) -> None:
     @cli.command("simulate")
     @click.argument("preset_name", metavar="PRESET", default="default")
     @click.argument("overrides", nargs=-1)
-    @click.option(
-        "--schedule", "-s", "schedules", multiple=True, help="a schedule to run (default: every installed one)"
-    )
-    def simulate_command(preset_name: str, overrides: tuple[str, ...], schedules: tuple[str, ...]) -> None:
+    @click.option("--schedule", "-s", "schedules", multiple=True, help="a schedule to run (default: every one)")
+    @click.option("--sweep", "sweeps", multiple=True, help="key=v1,v2,...: try each value (combinations of several)")
+    @click.option("--from-profile", "profile", type=click.Path(exists=True, file_okay=False, path_type=Path))
+    @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), help="throughput plot")
+    def simulate_command(
+        preset_name: str,
+        overrides: tuple[str, ...],
+        schedules: tuple[str, ...],
+        sweeps: tuple[str, ...],
+        profile: Path | None,
+        plot_path: Path | None,
+    ) -> None:
         """Run the installed schedules against a simulated trainer and rollout (no model, no Ray).
 
         PRESET is a name from the plugin's presets or a YAML file; OVERRIDES are key=value
-        (e.g. cluster.rollout_devices=4 async_training.staleness_threshold=0.5)."""
+        (e.g. cluster.rollout_devices=4 async_training.staleness_threshold=0.5). With
+        --from-profile, requests, engines, training and weight sync are fit to a profile of a
+        real run (the directory `skip profile report` reads). The plot goes to
+        runs/simulate/PRESET.png unless --plot names another file."""
+        if "=" in preset_name:  # no preset named: the first argument is an override
+            preset_name, overrides = "default", (preset_name, *overrides)
         name, base = preset(preset_name)
-        try:
-            sim, sections = load(overrides_to_config(base, list(overrides)))
-        except ConfigError as exc:
-            raise click.UsageError(str(exc)) from None
-        console = Console()
-        names = list(schedules) or sorted(registry().kinds.get("schedules", {}))
-        summaries = []
-        for schedule in names:
+        console = Console(width=max(Console().width, 140))
+        groups = None
+        if profile is not None:
             try:
-                timeline = simulate(sim, schedule, sections)
+                measured = read_profile(profile)
             except ConfigError as exc:
                 raise click.UsageError(str(exc)) from None
-            summaries.append(summarize(schedule, timeline))
+            base = OmegaConf.to_container(OmegaConf.merge(base, measured.overrides()))
+            groups = measured.groups
+            console.print(describe(measured, profile))
+        names = list(schedules) or sorted(registry().kinds.get("schedules", {}))
+        results = []
+        for point in sweep_points(sweeps):
+            try:
+                sim, sections = load(overrides_to_config(base, [*overrides, *point]))
+                workload = Workload(sim.requests, sim.trainer.seed, groups)
+                for schedule in names:
+                    timeline = simulate(sim, schedule, sections, workload)
+                    results.append(Result(summarize(schedule, timeline), point, timeline))
+            except ConfigError as exc:
+                raise click.UsageError(str(exc)) from None
         c = sim.cluster
         steps = sim.trainer.total_training_steps
-        title = (
-            f"skip simulate {name}: {steps} steps, {c.devices} devices ({c.rollout_devices} rollout when overlapped)"
-        )
-        console.print(table(summaries, title))
-        best = max(summaries, key=lambda s: s.samples_per_s)
-        console.print(f"fastest: {best.schedule} ({best.samples_per_s:.2f} samples/s)")
+        console.print(table(results, f"skip simulate {name}: {steps} steps on {c.devices} devices"))
+        if sim.published is not None:
+            console.print(published(results, sim.published))
+        console.print(recommendation(results))
+        path = plot(results, plot_path or Path("runs/simulate") / f"{name}.png")
+        if path is not None:
+            console.print(f"plot: {path}")

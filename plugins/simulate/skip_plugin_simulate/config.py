@@ -64,11 +64,14 @@ class WeightSync(_Model):
 
 
 class Cluster(_Model):
-    """``devices`` in all. ``sync`` generates and trains on all of them in turn; an overlapped
-    schedule gives ``rollout_devices`` to the engines and the rest to the trainer."""
+    """``devices`` in all. An overlapped schedule gives ``rollout_devices`` to the engines and
+    the rest to the trainer. ``sync`` generates and then trains on all of them when
+    ``colocated`` (verl's colocated trainer); otherwise it keeps the split and takes turns
+    (skip's own trainer on CPU, whose pools are disjoint under every schedule)."""
 
     devices: PositiveInt = 16
     rollout_devices: PositiveInt = 8
+    colocated: bool = True
 
 
 class Data(_Model):

@@ -52,15 +52,22 @@ class Timeline:
 
 class SimulatedRun:
     def __init__(
-        self, sim: Simulation, overlapped: bool, clock: Clock, resume: Checkpoint | None = None, crash_at: int = 0
+        self,
+        sim: Simulation,
+        overlapped: bool,
+        clock: Clock,
+        workload: Workload | None = None,
+        resume: Checkpoint | None = None,
+        crash_at: int = 0,
     ) -> None:
         self.sim, self.clock, self.overlapped, self.crash_at = sim, clock, overlapped, crash_at
         self.train_batch_size, self.ppo_mini_batch_size = sim.data.train_batch_size, sim.actor.ppo_mini_batch_size
         devices, split = sim.cluster.devices, sim.cluster.rollout_devices
-        self.trainer_devices = devices - split if overlapped else devices
-        self.engine_count = (split if overlapped else devices) // sim.engines.devices_per_engine
+        shared = sim.cluster.colocated and not overlapped
+        self.trainer_devices = devices if shared else devices - split
+        self.engine_count = (devices if shared else split) // sim.engines.devices_per_engine
         self.rollout = Rollout(clock, sim.engines, self.engine_count)
-        self.workload = Workload(sim.requests, sim.trainer.seed)
+        self.workload = workload or Workload(sim.requests, sim.trainer.seed)
         self.timeline = Timeline(engines=self.engine_count, trainer_devices=self.trainer_devices)
         self.global_steps = resume.step if resume else 0
         self._actor_version = self._rollout_version = self.global_steps
@@ -159,7 +166,8 @@ class SimulatedRun:
     def sync_weights(self, interrupt: bool = False) -> None:
         if not interrupt and self._generating:
             raise RuntimeError("sync_weights: a generation is in flight; wait for it first")
-        seconds = self.sim.weight_sync.seconds + (0.0 if self.overlapped else self.sim.weight_sync.colocated_switch_s)
+        colocated = self.sim.cluster.colocated and not self.overlapped
+        seconds = self.sim.weight_sync.seconds + (self.sim.weight_sync.colocated_switch_s if colocated else 0.0)
         with self.clock.lock:
             if interrupt:
                 self.rollout.pause()

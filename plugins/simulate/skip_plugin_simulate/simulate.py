@@ -14,6 +14,7 @@ from skip_core.sections import Sections, parse_sections
 from skip_plugin_simulate.clock import Clock
 from skip_plugin_simulate.config import Simulation
 from skip_plugin_simulate.run import Checkpoint, Crash, SimulatedRun, Timeline
+from skip_plugin_simulate.workload import Workload
 
 
 @dataclass(frozen=True)
@@ -45,13 +46,18 @@ def load(config: Any) -> tuple[Simulation, Sections]:
 
 
 def simulate(
-    sim: Simulation, schedule: str, sections: Sections, resume: Checkpoint | None = None, crash_at: int = 0
+    sim: Simulation,
+    schedule: str,
+    sections: Sections,
+    workload: Workload | None = None,
+    resume: Checkpoint | None = None,
+    crash_at: int = 0,
 ) -> Timeline:
     """``schedule`` (any installed schedule plugin) trains the simulated run to its end, or up
     to ``crash_at``, where it fails with ``Crash``; the timeline holds what it did until then."""
     factory = lookup("--schedule", "schedule", schedule, registry().kinds.get("schedules", {}))
     plan = factory(sections)
-    run = SimulatedRun(sim, plan.overlapped, Clock(), resume=resume, crash_at=crash_at)
+    run = SimulatedRun(sim, plan.overlapped, Clock(), workload, resume, crash_at)
     try:
         run.clock.run(lambda: plan.fit(run))
     except Crash:

@@ -23,10 +23,17 @@ class Shape:
 
 
 class Workload:
-    def __init__(self, spec: Requests, seed: int) -> None:
-        self.spec, self.seed = spec, seed
+    """Samples from the parametric model of ``requests``, or, given ``groups`` (each prompt's
+    samples as a profile measured them), a measured prompt drawn whole, so its samples keep
+    what they shared."""
+
+    def __init__(self, spec: Requests, seed: int, groups: list[list[Shape]] | None = None) -> None:
+        self.spec, self.seed, self.groups = spec, seed, groups
 
     def sample(self, epoch: int, prompt: int, offset: int) -> Shape:
+        if self.groups:
+            group = self.groups[np.random.default_rng([self.seed, epoch, prompt]).integers(len(self.groups))]
+            return group[offset % len(group)]
         s = self.spec
         hardness = np.random.default_rng([self.seed, epoch, prompt]).standard_normal()
         spread = np.random.default_rng([self.seed, epoch, prompt, offset + 1]).standard_normal()

@@ -165,7 +165,9 @@ class AgentLoop:
     # -- one request: the state machine -------------------------------------------------
 
     async def _rollout(self, request: Request, sampling: Sampling) -> None:
-        with spans.span("request", request_id=request.request_id, offset=request.offset) as span:
+        # prompt: the row of its batch, so a profile tells which samples answer one prompt.
+        ids = {"request_id": request.request_id, "offset": request.offset, "prompt": request.batch_index}
+        with spans.span("request", **ids) as span:
             await self._run_request(request, sampling)
             span.set(
                 turns=request.turns,

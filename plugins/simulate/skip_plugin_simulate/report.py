@@ -1,0 +1,108 @@
+"""What ``skip simulate`` prints and draws: the table, the published comparison, the
+recommendation and the throughput plot."""
+
+from __future__ import annotations
+
+import io
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.table import Table
+from skip_core.files import write_atomic
+
+from skip_plugin_simulate.config import Published
+from skip_plugin_simulate.run import Timeline
+from skip_plugin_simulate.simulate import Summary
+
+
+@dataclass(frozen=True)
+class Result:
+    summary: Summary
+    point: list[str]  # the sweep's overrides this run had
+    timeline: Timeline
+
+    @property
+    def label(self) -> str:
+        return " ".join([self.summary.schedule, *self.point])
+
+
+def _sync_rate(results: list[Result], point: list[str]) -> float | None:
+    return next((r.summary.samples_per_s for r in results if r.summary.schedule == "sync" and r.point == point), None)
+
+
+def table(results: list[Result], title: str) -> Table:
+    out = Table(title=title)
+    columns = ("schedule", "settings", "engines / trainer devices", "mean step", "samples/s", "vs sync")
+    for column in (*columns, "trainer idle", "rollout busy", "staleness mean / max", "partial"):
+        out.add_column(column, justify="right")
+    for r in results:
+        s, base = r.summary, _sync_rate(results, r.point)
+        out.add_row(
+            s.schedule,
+            " ".join(r.point),
+            f"{r.timeline.engines} / {r.timeline.trainer_devices}",
+            f"{s.step_s:.2f} s",
+            f"{s.samples_per_s:.2f}",
+            f"{s.samples_per_s / base:.2f}x" if base else "",
+            f"{s.trainer_idle:.0%}",
+            f"{s.rollout_busy:.0%}",
+            f"{s.staleness_mean:.2f} / {s.staleness_max:.0f}",
+            f"{s.partial_ratio:.0%}",
+        )
+    return out
+
+
+def published(results: list[Result], figures: Published) -> str:
+    """The prediction beside what the preset's source reported (first sweep point)."""
+    first = results[0].point
+    base = next(
+        (r.summary.samples_per_s for r in results if r.summary.schedule == figures.baseline and r.point == first), None
+    )
+    lines = [f"published ({figures.source}), throughput against {figures.baseline}:"]
+    for schedule, figure in figures.speedup.items():
+        mine = next(
+            (r.summary.samples_per_s for r in results if r.summary.schedule == schedule and r.point == first), None
+        )
+        predicted = f"{mine / base:.2f}x" if mine and base else "not simulated"
+        lines.append(f"  {schedule}: published {figure:.2f}x, predicted {predicted}")
+    return "\n".join(lines)
+
+
+def recommendation(results: list[Result]) -> str:
+    best = max(results, key=lambda r: r.summary.samples_per_s)
+    base = _sync_rate(results, best.point)
+    versus = f", {best.summary.samples_per_s / base:.2f}x sync" if base and best.summary.schedule != "sync" else ""
+    where = f" with {' '.join(best.point)}" if best.point else ""
+    return f"fastest: {best.summary.schedule}{where}: {best.summary.samples_per_s:.2f} samples/s{versus}"
+
+
+def plot(results: list[Result], path: Path) -> Path | None:
+    """Trained samples per second of each step against virtual time; a failed write warns."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for r in results:
+            rows = r.timeline.rows
+            ax.plot(
+                [row["time_s"] / 3600 for row in rows],
+                [row["samples"] / row["timing_s/step"] for row in rows],
+                marker=".",
+                label=r.label,
+            )
+        ax.set_xlabel("virtual time (h)")
+        ax.set_ylabel("trained samples / s (per step)")
+        ax.legend(fontsize="small")
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", bbox_inches="tight")
+        plt.close(fig)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, buffer.getvalue())
+        return path
+    except Exception as exc:  # the plot is optional: the table is already printed
+        warnings.warn(f"skip simulate: the plot could not be written to {path}: {exc!r}", RuntimeWarning, stacklevel=2)
+        return None
