@@ -44,8 +44,8 @@ def sweep_points(sweeps: tuple[str, ...]) -> list[list[str]]:
 def describe(m: Measured, directory: Path) -> str:
     samples = sum(len(group) for group in m.groups)
     return (
-        f"measured in {directory}: {len(m.groups)} prompts, {samples} samples, {m.steps} steps; engine fit on"
-        f" {m.spans} turns: decode step {1000 * m.decode_s:.2f} ms + {1000 * m.decode_s_per_row:.3f} ms per row"
+        f"measured in {directory}: {len(m.groups)} prompts, {samples} samples, {m.steps} steps; engine fit to"
+        f" {m.engine_fit}: decode step {1000 * m.decode_s:.2f} ms + {1000 * m.decode_s_per_row:.3f} ms per row"
         f" (at most {m.max_batch} rows seen), prefill {1e6 * m.prefill_s_per_token:.1f} us per token; training"
         f" {m.fixed_s:.3f} s + {1e6 * m.s_per_token:.1f} us per token; weight sync {m.sync_s:.3f} s"
     )
@@ -78,14 +78,14 @@ def register(cli: click.Group) -> None:
             preset_name, overrides = "default", (preset_name, *overrides)
         name, base = preset(preset_name)
         console = Console(width=max(Console().width, 140))
-        groups = None
+        groups = val_groups = None
         if profile is not None:
             try:
                 measured = read_profile(profile)
             except ConfigError as exc:
                 raise click.UsageError(str(exc)) from None
             base = OmegaConf.to_container(OmegaConf.merge(base, measured.overrides()))
-            groups = measured.groups
+            groups, val_groups = measured.groups, measured.val_groups
             console.print(describe(measured, profile))
         names = list(schedules) or sorted(registry().kinds.get("schedules", {}))
         results = []
@@ -93,8 +93,9 @@ def register(cli: click.Group) -> None:
             try:
                 sim, sections = load(overrides_to_config(base, [*overrides, *point]))
                 workload = Workload(sim.requests, sim.trainer.seed, groups)
+                val_workload = Workload(sim.requests, sim.trainer.seed + 1, val_groups)
                 for schedule in names:
-                    timeline = simulate(sim, schedule, sections, workload)
+                    timeline = simulate(sim, schedule, sections, workload, val_workload)
                     results.append(Result(summarize(schedule, timeline), point, timeline))
             except ConfigError as exc:
                 raise click.UsageError(str(exc)) from None

@@ -77,10 +77,12 @@ class Cluster(_Model):
 class Data(_Model):
     train_batch_size: PositiveInt = 64
     prompts: PositiveInt = 100_000  # in the dataset: an epoch
+    val_prompts: NonNegativeInt = 0  # validated every trainer.test_freq steps, val_n samples each
 
 
 class RolloutKeys(_Model):
     n: PositiveInt = 8
+    val_n: PositiveInt = 1
 
 
 class ActorKeys(_Model):
@@ -90,6 +92,7 @@ class ActorKeys(_Model):
 class TrainerKeys(_Model):
     total_training_steps: PositiveInt = 100
     save_freq: int = -1  # a simulated checkpoint (kept in memory) every this many steps
+    test_freq: int = -1  # validation after the update of every this many steps, and of the last
     seed: int = 1
 
 

@@ -4,9 +4,12 @@ The profile is what ``skip run ... profiling.enable=true`` writes and ``skip pro
 reads. From it:
 - requests: every trained prompt's samples as they ran (tokens per turn, tool time, tokens a
   tool added), drawn whole, so a hard prompt keeps all its answers long;
-- engines: each ``generate`` span (one turn on the engine) lasts ``tokens_out x (decode_s +
-  decode_s_per_row x rows) + prefill_s_per_token x new prompt tokens``, with ``rows`` the mean
-  number of turns decoding beside it on its worker; least squares over every span;
+- engines: from the run's ``metrics.jsonl`` where the backend counted its work
+  (``rollout/engine/*``), each step's forward seconds against its decode passes and their rows,
+  ``forward_s = decode_s x passes + decode_s_per_row x rows`` (prefill passes fold into both);
+  otherwise from the spans: each ``generate`` span (one turn on the engine) lasts ``tokens_out x
+  (decode_s + decode_s_per_row x rows) + prefill_s_per_token x new prompt tokens``, with
+  ``rows`` the mean number of turns decoding beside it on its worker. Least squares either way;
 - training: each step's trainer phases against the tokens it trained, ``fixed_s + s_per_token x
   tokens`` by least squares over the steps;
 - weight sync: the mean of the run's sync phase.
@@ -15,6 +18,7 @@ reads. From it:
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +36,8 @@ SYNC_PHASES = ("update_weights", "sync_rollout_weights", "param_sync")
 @dataclass(frozen=True)
 class Measured:
     groups: list[list[Shape]]  # per trained prompt, its samples
+    val_groups: list[list[Shape]]  # per validation prompt (of all validations), its samples
+    validations: list[int]  # the steps after which the run validated
     decode_s: float
     decode_s_per_row: float
     prefill_s_per_token: float
@@ -39,13 +45,13 @@ class Measured:
     s_per_token: float
     fixed_s: float
     sync_s: float
-    spans: int  # generate spans the engine fit used
+    engine_fit: str  # what the engine's costs were fit to
     steps: int
 
     def overrides(self) -> dict:
         """The simulation keys this profile measured."""
         sizes = [len(group) for group in self.groups]
-        return {
+        keys: dict = {
             "data": {"train_batch_size": max(1, round(len(self.groups) / max(self.steps, 1)))},
             "rollout": {"n": max(set(sizes), key=sizes.count)},
             "engines": {
@@ -57,24 +63,44 @@ class Measured:
             "training": {"s_per_token": self.s_per_token, "fixed_s": self.fixed_s},
             "weight_sync": {"fixed_s": self.sync_s, "s_per_billion_params": 0.0},
         }
+        after = [step for step in self.validations if step > 0]
+        if self.val_groups and after:
+            keys["data"]["val_prompts"] = max(1, round(len(self.val_groups) / len(self.validations)))
+            keys["rollout"]["val_n"] = max(len(group) for group in self.val_groups)
+            keys["trainer"] = {"test_freq": min(after)}
+        return keys
 
 
-def read_profile(directory: str | Path) -> Measured:
+def read_profile(directory: str | Path, metrics: Path | None = None) -> Measured:
+    """``metrics``: the run's metrics.jsonl, by default the one beside the profile directory."""
     from skip_plugin_profiling.logs import read_logs
 
-    table = read_logs(directory).table
-    table = table.filter(pc.equal(table["phase"], "train"))
+    metrics = metrics or Path(directory).parent / "metrics.jsonl"
+
+    everything = read_logs(directory).table
+    table = everything.filter(pc.equal(everything["phase"], "train"))
+    val = everything.filter(pc.equal(everything["phase"], "val"))
     requests, generates = _events(table, "request"), _events(table, "generate")
     if not len(requests) or not len(generates):
         raise ConfigError(
             f"--from-profile {directory}: no request and generate spans (profile a run with profiling.enable=true)"
         )
     groups = _groups(requests, generates, _events(table, "tool_call"))
+    val_requests = _events(val, "request")
+    val_groups = _groups(val_requests, _events(val, "generate"), _events(val, "tool_call"))
+    validations = sorted(set(val_requests["step"].to_pylist()))
     decode, per_row, prefill, max_batch = _fit_engine(generates)
+    engine_fit = f"{len(generates)} turns' spans"
+    counted = _fit_counters(metrics) if metrics.is_file() else None
+    if counted is not None:
+        decode, per_row, steps_counted = counted
+        prefill, engine_fit = 0.0, f"the engine's counters over {steps_counted} steps of {metrics}"
     s_per_token, fixed, steps = _fit_training(table, requests)
     syncs = [d for name in SYNC_PHASES for d in _events(table, f"trainer/{name}")["duration"].to_pylist()]
     return Measured(
         groups,
+        val_groups,
+        validations,
         decode,
         per_row,
         prefill,
@@ -82,7 +108,7 @@ def read_profile(directory: str | Path) -> Measured:
         s_per_token,
         fixed,
         float(np.mean(syncs)) if syncs else 0.0,
-        len(generates),
+        engine_fit,
         steps,
     )
 
@@ -140,6 +166,26 @@ def _fit_engine(generates: pa.Table) -> tuple[float, float, float, int]:
     if decode == 0.0:  # a fit with no intercept left: the mean per-token time at the mean batch
         decode = float(np.sum(end - start) / np.sum(out)) / max(1.0, float(np.mean(rows)))
     return decode, per_row, prefill, most
+
+
+def _fit_counters(metrics: Path) -> tuple[float, float, int] | None:
+    """Per step, forward seconds against decode passes and their rows; None without counters."""
+    rows = []
+    for line in metrics.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line cut by a crash
+            continue
+        if row.get("step", 0) > 0 and row.get("rollout/engine/decode_passes"):
+            rows.append(row)
+    if len(rows) < 2:
+        return None
+    design = np.array([[r["rollout/engine/decode_passes"], r["rollout/engine/decode_rows"]] for r in rows])
+    seconds = np.array([r["rollout/engine/forward_s"] for r in rows])
+    (decode, per_row), *_ = np.linalg.lstsq(design, seconds, rcond=None)
+    if decode <= 0 or per_row < 0:  # rows per pass too alike to separate: all of it per row
+        decode, per_row = 0.0, float(seconds.sum() / design[:, 1].sum())
+    return float(decode), float(per_row), len(rows)
 
 
 def _mean_concurrency(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, int]:

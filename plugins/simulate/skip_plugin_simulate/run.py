@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +57,7 @@ class SimulatedRun:
         overlapped: bool,
         clock: Clock,
         workload: Workload | None = None,
+        val_workload: Workload | None = None,
         resume: Checkpoint | None = None,
         crash_at: int = 0,
     ) -> None:
@@ -74,9 +75,10 @@ class SimulatedRun:
         self._loader = dict(resume.loader) if resume else {"epoch": 0, "index": 0}
         self._resume_state = resume.schedule_state if resume else None
         self._loader_states: dict[int, dict] = {}
-        self._generating = 0
+        self._pending: set[Future] = set()  # generations in flight
+        self.val_workload = val_workload or Workload(sim.requests, sim.trainer.seed + 1_000_003)
         self._busy_before = 0.0
-        self._spent = {"train": 0.0, "sync": 0.0}  # this step's virtual seconds training and syncing
+        self._spent = {"train": 0.0, "sync": 0.0, "testing": 0.0}  # this step's virtual seconds in each
         self._fed = self._trained = self._fed_in_window = self._carried = 0  # prompts
         self._synced_once = False
 
@@ -90,7 +92,7 @@ class SimulatedRun:
         if step == self.crash_at:
             raise Crash(f"the simulated trainer stopped at step {step}")
         record, start = StepRecord(step), self.clock.now
-        self._spent = {"train": 0.0, "sync": 0.0}
+        self._spent = {"train": 0.0, "sync": 0.0, "testing": 0.0}
         yield record
         freq = self.sim.trainer.save_freq
         if freq > 0 and step % freq == 0:
@@ -120,12 +122,19 @@ class SimulatedRun:
         state = prompts.meta_info.get("loader_state")
         if sample_id is None and state is not None:
             self._loader_states[step] = state
-        future: Future = Future()
         rows = [
             (e, p, o)
             for e, p in zip(prompts.non_tensor_batch["epoch"], prompts.non_tensor_batch["prompt"], strict=True)
             for o in range(self.sim.rollout.n)
         ]
+        with self.clock.lock:
+            self._fed += len(prompts)
+            self._fed_in_window += len(prompts)
+            return self._launch(rows, self.workload)
+
+    def _launch(self, rows: list[tuple[int, int, int]], workload: Workload) -> Future:
+        """Submit one request per row; the future's batch comes when the last one ends."""
+        future: Future = Future()
         done: list[Request] = []
         start = self.clock.now
 
@@ -133,15 +142,13 @@ class SimulatedRun:
             self.rollout.done(request)
             done.append(request)
             if len(done) == len(requests):
-                self._generating -= 1
+                self._pending.discard(future)
                 batch = self._batch(rows, requests, self.clock.now - start)
                 self.clock.wake(lambda: future.set_result(batch))
 
         with self.clock.lock:
-            self._generating += 1
-            self._fed += len(prompts)
-            self._fed_in_window += len(prompts)
-            requests = [self._request(*row, finished) for row in rows]
+            self._pending.add(future)
+            requests = [self._request(workload, *row, finished) for row in rows]
             for request in requests:
                 self.rollout.submit(request)
         return future
@@ -164,7 +171,7 @@ class SimulatedRun:
         ]
 
     def sync_weights(self, interrupt: bool = False) -> None:
-        if not interrupt and self._generating:
+        if not interrupt and self._pending:
             raise RuntimeError("sync_weights: a generation is in flight; wait for it first")
         colocated = self.sim.cluster.colocated and not self.overlapped
         seconds = self.sim.weight_sync.seconds + (self.sim.weight_sync.colocated_switch_s if colocated else 0.0)
@@ -183,12 +190,28 @@ class SimulatedRun:
         self._spent["sync"] += seconds
 
     def after_update(self, record: StepRecord, interrupt: bool = False) -> None:
-        """Validation is not modelled: nothing to do."""
+        """Validation as the trainer runs it: the engines get the new weights (after the
+        generations in flight, or at once with ``interrupt``), then the validation prompts
+        generate and the trainer waits for them."""
+        freq, last = self.sim.trainer.test_freq, record.step == self.sim.trainer.total_training_steps
+        if freq <= 0 or not self.sim.data.val_prompts or not (record.step % freq == 0 or last):
+            return
+        start = self.clock.now
+        while not interrupt and self._pending:  # a streaming schedule may start more meanwhile
+            wait(list(self._pending))
+        if self._rollout_version != self._actor_version:
+            self.sync_weights(interrupt)
+        rows = [(0, prompt, o) for prompt in range(self.sim.data.val_prompts) for o in range(self.sim.rollout.val_n)]
+        with self.clock.lock:
+            future = self._launch(rows, self.val_workload)
+        future.result()
+        self._spent["testing"] += self.clock.now - start
+        record.timing["testing"] = self.clock.now - start
 
     # -- the simulation's side ---------------------------------------------------------
 
-    def _request(self, epoch: int, prompt: int, offset: int, on_done: Any) -> Request:
-        shape = self.workload.sample(int(epoch), int(prompt), offset)
+    def _request(self, workload: Workload, epoch: int, prompt: int, offset: int, on_done: Any) -> Request:
+        shape = workload.sample(int(epoch), int(prompt), offset)
         return Request(
             shape.prompt_tokens, shape.turns, shape.tool_tokens, shape.tool_s, self._rollout_version, on_done
         )
@@ -224,9 +247,8 @@ class SimulatedRun:
             "timing_s/step": elapsed,
             "timing_s/train": self._spent["train"],
             "timing_s/sync": self._spent["sync"],
-            "trainer/idle_ratio": max(0.0, elapsed - self._spent["train"] - self._spent["sync"]) / elapsed
-            if elapsed
-            else 0.0,
+            "timing_s/testing": self._spent["testing"],
+            "trainer/idle_ratio": max(0.0, elapsed - sum(self._spent.values())) / elapsed if elapsed else 0.0,
             "rollout/busy_ratio": engine_busy / (elapsed * self.engine_count) if elapsed else 0.0,
             "samples": float(len(record.batch)),
             "response_length/mean": float(extras["response_tokens"].mean()),

@@ -50,6 +50,7 @@ def simulate(
     schedule: str,
     sections: Sections,
     workload: Workload | None = None,
+    val_workload: Workload | None = None,
     resume: Checkpoint | None = None,
     crash_at: int = 0,
 ) -> Timeline:
@@ -57,7 +58,7 @@ def simulate(
     to ``crash_at``, where it fails with ``Crash``; the timeline holds what it did until then."""
     factory = lookup("--schedule", "schedule", schedule, registry().kinds.get("schedules", {}))
     plan = factory(sections)
-    run = SimulatedRun(sim, plan.overlapped, Clock(), workload, resume, crash_at)
+    run = SimulatedRun(sim, plan.overlapped, Clock(), workload, val_workload, resume, crash_at)
     try:
         run.clock.run(lambda: plan.fit(run))
     except Crash:
