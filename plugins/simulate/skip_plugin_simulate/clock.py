@@ -78,8 +78,10 @@ class Clock:
                 returned.set()
 
         threading.Thread(target=main, name="skip-simulate", daemon=True).start()
+        woken = True  # threads run only after a wake: an event that wakes no one needs no settling
         while True:
-            self._settle(before)
+            if woken:
+                self._settle(before)
             if returned.is_set():
                 break
             with self.lock:
@@ -91,6 +93,7 @@ class Clock:
                 wakes, self._wakes = self._wakes, []
             for call in wakes:
                 call()
+            woken = bool(wakes)
         if failure:
             raise failure[0]
 

@@ -119,7 +119,7 @@ def _events(table: pa.Table, name: str) -> pa.Table:
 
 def _groups(requests: pa.Table, generates: pa.Table, tools: pa.Table) -> list[list[Shape]]:
     """Each prompt's samples: a request span's ``prompt`` (its batch row) within its rollout call
-    (``parent_id`` in its file); a profile without it makes each sample its own prompt."""
+    (``parent_id`` in its process); a profile without it makes each sample its own prompt."""
     turns: dict[str, list[tuple[int, int, int]]] = {}
     for rid, turn, tokens_in, tokens_out in zip(
         *(generates[c].to_pylist() for c in ("request_id", "turn", "tokens_in", "tokens_out")), strict=True
@@ -142,7 +142,7 @@ def _groups(requests: pa.Table, generates: pa.Table, tools: pa.Table) -> list[li
             tool_s=float(np.mean(tool_s[row["request_id"]])) if row["request_id"] in tool_s else 0.0,
         )
         prompt = row.get("prompt")
-        key = (row["step"], row["file"], row["parent_id"], prompt) if prompt is not None else (i,)
+        key = (row["step"], row["pid"], row["parent_id"], prompt) if prompt is not None else (i,)
         groups.setdefault(key, []).append(shape)
     return list(groups.values())
 
