@@ -43,6 +43,7 @@ class Timeline:
     trained: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)  # step -> (epoch, prompt, offset)
     checkpoints: dict[int, Checkpoint] = field(default_factory=dict)
     crashed: bool = False
+    peak_in_flight: int = 0  # samples submitted and not finished, at most
     #: At each weight sync after the first: the prompts fed or trained-pending when the window
     #: before it opened (carried over), and the prompts fed during it: what a staleness bound caps.
     windows: list[tuple[int, int]] = field(default_factory=list)
@@ -151,6 +152,7 @@ class SimulatedRun:
             requests = [self._request(workload, *row, finished) for row in rows]
             for request in requests:
                 self.rollout.submit(request)
+            self.timeline.peak_in_flight = max(self.timeline.peak_in_flight, len(self.rollout.in_flight))
         return future
 
     def train(self, batch: Batch, record: StepRecord) -> None:
