@@ -24,12 +24,10 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from skip_plugin_simulate.calibration import SCHEDULES
 
-SCHEDULES = ("sync", "one_step_off", "fully_async")
 #: The spans the fit reads; the rest of a profile (tool lifecycle, padding) is left out of a record.
 KEPT = ("request", "generate", "tool_call")
-#: The simulated cluster of a run with the default resources: two one-CPU pools, taking turns under sync.
-CLUSTER = ("cluster.devices=2", "cluster.rollout_devices=1", "cluster.colocated=false")
 
 
 def train(directory: Path, task_dir: Path | None, schedule: str, args: argparse.Namespace) -> list[dict]:
@@ -53,20 +51,10 @@ def mean_step(rows: list[dict]) -> float:
 
 def simulated(profile: Path, metrics: Path, steps: int) -> dict[str, float]:
     """Mean step time per schedule, predicted from the profile."""
-    from skip_plugin_simulate.cli import preset
+    from skip_plugin_simulate.calibration import predict_steps
     from skip_plugin_simulate.measured import read_profile
-    from skip_plugin_simulate.simulate import load, overrides_to_config, simulate
-    from skip_plugin_simulate.workload import Workload
 
-    measured = read_profile(profile, metrics)
-    _, base = preset("default")
-    config = overrides_to_config(base, [*CLUSTER, f"trainer.total_training_steps={steps}"])
-    from omegaconf import OmegaConf
-
-    sim, sections = load(OmegaConf.merge(config, measured.overrides()))
-    workload = Workload(sim.requests, sim.trainer.seed, measured.groups)
-    val = Workload(sim.requests, sim.trainer.seed + 1, measured.val_groups)
-    return {name: mean_step(simulate(sim, name, sections, workload, val).rows) for name in SCHEDULES}
+    return predict_steps(read_profile(profile, metrics), steps)
 
 
 def record(directory: Path, run_dir: Path, measured: dict[str, float]) -> None:

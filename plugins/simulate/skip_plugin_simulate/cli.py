@@ -13,8 +13,7 @@ from skip_core.plugins import registry
 
 from skip_plugin_simulate.measured import Measured, read_profile
 from skip_plugin_simulate.report import Result, plot, published, recommendation, table
-from skip_plugin_simulate.simulate import load, overrides_to_config, simulate, summarize
-from skip_plugin_simulate.workload import Workload
+from skip_plugin_simulate.simulate import simulate_all, summarize
 
 PRESETS = Path(__file__).parent / "presets"
 
@@ -78,27 +77,21 @@ def register(cli: click.Group) -> None:
             preset_name, overrides = "default", (preset_name, *overrides)
         name, base = preset(preset_name)
         console = Console(width=max(Console().width, 140))
-        groups = val_groups = None
+        measured = None
         if profile is not None:
             try:
                 measured = read_profile(profile)
             except ConfigError as exc:
                 raise click.UsageError(str(exc)) from None
-            base = OmegaConf.to_container(OmegaConf.merge(base, measured.overrides()))
-            groups, val_groups = measured.groups, measured.val_groups
             console.print(describe(measured, profile))
         names = list(schedules) or sorted(registry().kinds.get("schedules", {}))
         results = []
         for point in sweep_points(sweeps):
             try:
-                sim, sections = load(overrides_to_config(base, [*overrides, *point]))
-                workload = Workload(sim.requests, sim.trainer.seed, groups)
-                val_workload = Workload(sim.requests, sim.trainer.seed + 1, val_groups)
-                for schedule in names:
-                    timeline = simulate(sim, schedule, sections, workload, val_workload)
-                    results.append(Result(summarize(schedule, timeline), point, timeline))
+                sim, timelines = simulate_all(base, [*overrides, *point], names, measured)
             except ConfigError as exc:
                 raise click.UsageError(str(exc)) from None
+            results += [Result(summarize(name, timeline), point, timeline) for name, timeline in timelines.items()]
         c = sim.cluster
         steps = sim.trainer.total_training_steps
         console.print(table(results, f"skip simulate {name}: {steps} steps on {c.devices} devices"))

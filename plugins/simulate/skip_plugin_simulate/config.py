@@ -7,7 +7,15 @@ settings are its own section (``async_training.*``), validated by the plugin tha
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    model_validator,
+)
 
 
 class _Model(BaseModel):
@@ -34,10 +42,16 @@ class Engines(_Model):
     from decode steps measured at several batch sizes)."""
 
     devices_per_engine: PositiveInt = 1
-    decode_s: PositiveFloat = 0.02  # a decode step's time with no rows
+    decode_s: NonNegativeFloat = 0.02  # a decode step's time with no rows
     decode_s_per_row: NonNegativeFloat = 0.0001  # what each running row adds to it
     prefill_s_per_token: NonNegativeFloat = 0.00002
     max_batch: PositiveInt = 256
+
+    @model_validator(mode="after")
+    def _decoding_takes_time(self) -> Engines:
+        if self.decode_s + self.decode_s_per_row <= 0:
+            raise ValueError("decode_s or decode_s_per_row must be above 0: a decode step takes time")
+        return self
 
 
 class Trainer(_Model):

@@ -13,6 +13,7 @@ from skip_core.sections import Sections, parse_sections
 
 from skip_plugin_simulate.clock import Clock
 from skip_plugin_simulate.config import Simulation
+from skip_plugin_simulate.measured import Measured
 from skip_plugin_simulate.run import Checkpoint, Crash, SimulatedRun, Timeline
 from skip_plugin_simulate.workload import Workload
 
@@ -91,3 +92,17 @@ def summarize(schedule: str, timeline: Timeline) -> Summary:
 def overrides_to_config(base: Mapping[str, Any], overrides: list[str]) -> Any:
     """A preset's keys with ``key=value`` overrides on top (OmegaConf's dotlist syntax)."""
     return OmegaConf.merge(OmegaConf.create(dict(base)), OmegaConf.from_dotlist(list(overrides)))
+
+
+def simulate_all(
+    base: Mapping[str, Any], overrides: list[str], schedules: list[str], measured: Measured | None = None
+) -> tuple[Simulation, dict[str, Timeline]]:
+    """Each schedule on one scenario: a preset's keys, what a profile measured on top of them,
+    then the overrides; every schedule sees the same samples."""
+    if measured is not None:
+        base = OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(dict(base)), measured.overrides()))
+    sim, sections = load(overrides_to_config(base, overrides))
+    groups, val_groups = (measured.groups, measured.val_groups) if measured else (None, None)
+    workload = Workload(sim.requests, sim.trainer.seed, groups)
+    val_workload = Workload(sim.requests, sim.trainer.seed + 1, val_groups)
+    return sim, {name: simulate(sim, name, sections, workload, val_workload) for name in schedules}
