@@ -71,11 +71,11 @@ class Measured:
         return keys
 
 
-def read_profile(directory: str | Path, metrics: Path | None = None) -> Measured:
+def read_profile(directory: str | Path, metrics: str | Path | None = None) -> Measured:
     """``metrics``: the run's metrics.jsonl, by default the one beside the profile directory."""
     from skip_plugin_profiling.logs import read_logs
 
-    metrics = metrics or Path(directory).parent / "metrics.jsonl"
+    metrics = Path(metrics) if metrics else Path(directory).parent / "metrics.jsonl"
 
     everything = read_logs(directory).table
     table = everything.filter(pc.equal(everything["phase"], "train"))
