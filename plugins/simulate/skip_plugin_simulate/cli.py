@@ -40,6 +40,20 @@ def sweep_points(sweeps: tuple[str, ...]) -> list[list[str]]:
     return [list(point) for point in itertools.product(*axes)]
 
 
+def preset_point(base: dict, points: list[list[str]]) -> list[str]:
+    """The sweep point that keeps the preset's own values (what its published figure is about),
+    else the first."""
+    config = OmegaConf.create(base)
+    for point in points:
+        wanted = OmegaConf.from_dotlist(point)
+        if all(
+            OmegaConf.select(config, o.partition("=")[0]) == OmegaConf.select(wanted, o.partition("=")[0])
+            for o in point
+        ):
+            return point
+    return points[0]
+
+
 def describe(m: Measured, directory: Path) -> str:
     samples = sum(len(group) for group in m.groups)
     return (
@@ -76,7 +90,7 @@ def register(cli: click.Group) -> None:
         if "=" in preset_name:  # no preset named: the first argument is an override
             preset_name, overrides = "default", (preset_name, *overrides)
         name, base = preset(preset_name)
-        console = Console(width=max(Console().width, 140))
+        console = Console(width=max(Console().width, 160))
         measured = None
         if profile is not None:
             try:
@@ -86,7 +100,8 @@ def register(cli: click.Group) -> None:
             console.print(describe(measured, profile))
         names = list(schedules) or sorted(registry().kinds.get("schedules", {}))
         results = []
-        for point in sweep_points(sweeps):
+        points = sweep_points(sweeps)
+        for point in points:
             try:
                 sim, timelines = simulate_all(base, [*overrides, *point], names, measured)
             except ConfigError as exc:
@@ -96,7 +111,7 @@ def register(cli: click.Group) -> None:
         steps = sim.trainer.total_training_steps
         console.print(table(results, f"skip simulate {name}: {steps} steps on {c.devices} devices"))
         if sim.published is not None:
-            console.print(published(results, sim.published))
+            console.print(published(results, sim.published, preset_point(base, points)))
         console.print(recommendation(results))
         path = plot(results, plot_path or Path("runs/simulate") / f"{name}.png")
         if path is not None:

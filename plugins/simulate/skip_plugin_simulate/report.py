@@ -23,8 +23,13 @@ class Result:
     timeline: Timeline
 
     @property
+    def settings(self) -> str:
+        """The sweep point, each key by its last part (``rollout_devices=32``)."""
+        return " ".join(override.rpartition(".")[2] for override in self.point)
+
+    @property
     def label(self) -> str:
-        return " ".join([self.summary.schedule, *self.point])
+        return f"{self.summary.schedule} {self.settings}".strip()
 
 
 def _sync_rate(results: list[Result], point: list[str]) -> float | None:
@@ -40,7 +45,7 @@ def table(results: list[Result], title: str) -> Table:
         s, base = r.summary, _sync_rate(results, r.point)
         out.add_row(
             s.schedule,
-            " ".join(r.point),
+            r.settings,
             f"{r.timeline.engines} / {r.timeline.trainer_devices}",
             f"{s.step_s:.2f} s",
             f"{s.samples_per_s:.2f}",
@@ -53,17 +58,18 @@ def table(results: list[Result], title: str) -> Table:
     return out
 
 
-def published(results: list[Result], figures: Published) -> str:
-    """The prediction beside what the preset's source reported (first sweep point)."""
-    first = results[0].point
-    base = next(
-        (r.summary.samples_per_s for r in results if r.summary.schedule == figures.baseline and r.point == first), None
-    )
-    lines = [f"published ({figures.source}), throughput against {figures.baseline}:"]
+def published(results: list[Result], figures: Published, point: list[str]) -> str:
+    """The prediction at the sweep ``point`` beside what the preset's source reported."""
+
+    def rate(schedule: str) -> float | None:
+        rows = (r for r in results if r.summary.schedule == schedule and r.point == point)
+        return next((r.summary.samples_per_s for r in rows), None)
+
+    base = rate(figures.baseline)
+    where = f" (at {' '.join(point)})" if point else ""
+    lines = [f"published ({figures.source}), throughput against {figures.baseline}{where}:"]
     for schedule, figure in figures.speedup.items():
-        mine = next(
-            (r.summary.samples_per_s for r in results if r.summary.schedule == schedule and r.point == first), None
-        )
+        mine = rate(schedule)
         predicted = f"{mine / base:.2f}x" if mine and base else "not simulated"
         lines.append(f"  {schedule}: published {figure:.2f}x, predicted {predicted}")
     return "\n".join(lines)
