@@ -21,7 +21,7 @@ from skip_core.schedule import StepRecord
 from skip_plugin_simulate.clock import Clock
 from skip_plugin_simulate.config import Simulation
 from skip_plugin_simulate.engine import Request, Rollout
-from skip_plugin_simulate.workload import Workload
+from skip_plugin_simulate.workload import VALIDATION_SEED, Workload
 
 
 class Crash(RuntimeError):
@@ -77,7 +77,7 @@ class SimulatedRun:
         self._resume_state = resume.schedule_state if resume else None
         self._loader_states: dict[int, dict] = {}
         self._pending: set[Future] = set()  # generations in flight
-        self.val_workload = val_workload or Workload(sim.requests, sim.trainer.seed + 1_000_003)
+        self.val_workload = val_workload or Workload(sim.requests, sim.trainer.seed + VALIDATION_SEED)
         self._busy_before = 0.0
         self._spent = {"train": 0.0, "sync": 0.0, "testing": 0.0}  # this step's virtual seconds in each
         self._fed = self._trained = self._fed_in_window = self._carried = 0  # prompts

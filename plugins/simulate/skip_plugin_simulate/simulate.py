@@ -15,7 +15,7 @@ from skip_plugin_simulate.clock import Clock
 from skip_plugin_simulate.config import Simulation
 from skip_plugin_simulate.measured import Measured
 from skip_plugin_simulate.run import Checkpoint, Crash, SimulatedRun, Timeline
-from skip_plugin_simulate.workload import Workload
+from skip_plugin_simulate.workload import VALIDATION_SEED, Workload
 
 
 @dataclass(frozen=True)
@@ -104,5 +104,5 @@ def simulate_all(
     sim, sections = load(overrides_to_config(base, overrides))
     groups, val_groups = (measured.groups, measured.val_groups) if measured else (None, None)
     workload = Workload(sim.requests, sim.trainer.seed, groups)
-    val_workload = Workload(sim.requests, sim.trainer.seed + 1, val_groups)
+    val_workload = Workload(sim.requests, sim.trainer.seed + VALIDATION_SEED, val_groups)
     return sim, {name: simulate(sim, name, sections, workload, val_workload) for name in schedules}

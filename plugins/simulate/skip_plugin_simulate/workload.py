@@ -23,6 +23,10 @@ class Shape:
     tool_s: float
 
 
+#: Added to the run's seed for the validation prompts' samples, apart from the training ones.
+VALIDATION_SEED = 1_000_003
+
+
 class Workload:
     """Samples from the parametric model of ``requests``, or, given ``groups`` (each prompt's
     samples as a profile measured them), a measured prompt drawn whole, so its samples keep
