@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from omegaconf import OmegaConf
@@ -11,9 +12,8 @@ from rich.console import Console
 from skip_core.config import ConfigError
 from skip_core.plugins import registry
 
-from skip_plugin_simulate.measured import Measured, read_profile
-from skip_plugin_simulate.report import Result, plot, published, recommendation, table
-from skip_plugin_simulate.simulate import simulate_all, summarize
+if TYPE_CHECKING:
+    from skip_plugin_simulate.measured import Measured
 
 PRESETS = Path(__file__).parent / "presets"
 
@@ -87,6 +87,11 @@ def register(cli: click.Group) -> None:
         --from-profile, requests, engines, training and weight sync are fit to a profile of a
         real run (the directory `skip profile report` reads). The plot goes to
         runs/simulate/PRESET.png unless --plot names another file."""
+        # `skip` builds its command tree on every start: the simulator (torch, pyarrow) loads here.
+        from skip_plugin_simulate.measured import read_profile
+        from skip_plugin_simulate.report import Result, plot, published, recommendation, table
+        from skip_plugin_simulate.simulate import simulate_all, summarize
+
         if "=" in preset_name:  # no preset named: the first argument is an override
             preset_name, overrides = "default", (preset_name, *overrides)
         name, base = preset(preset_name)
