@@ -70,6 +70,13 @@ def register(cli: click.Group) -> None:
     @click.argument("overrides", nargs=-1)
     @click.option("--schedule", "-s", "schedules", multiple=True, help="a schedule to run (default: every one)")
     @click.option("--sweep", "sweeps", multiple=True, help="key=v1,v2,...: try each value (combinations of several)")
+    @click.option(
+        "--split",
+        "shares",
+        default="0.25,0.5,0.75",
+        show_default=True,
+        help="shares of the devices for rollout that the recommendation also tries (none: only the scenario's)",
+    )
     @click.option("--from-profile", "profile", type=click.Path(exists=True, file_okay=False, path_type=Path))
     @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), help="throughput plot")
     def simulate_command(
@@ -77,6 +84,7 @@ def register(cli: click.Group) -> None:
         overrides: tuple[str, ...],
         schedules: tuple[str, ...],
         sweeps: tuple[str, ...],
+        shares: str,
         profile: Path | None,
         plot_path: Path | None,
     ) -> None:
@@ -86,11 +94,13 @@ def register(cli: click.Group) -> None:
         (e.g. cluster.rollout_devices=4 async_training.staleness_threshold=0.5). With
         --from-profile, requests, engines, training and weight sync are fit to a profile of a
         real run (the directory `skip profile report` reads). The plot goes to
-        runs/simulate/PRESET.png unless --plot names another file."""
+        runs/simulate/PRESET.png unless --plot names another file. Unless --sweep sets
+        cluster.rollout_devices, every overlapped schedule also runs at the splits --split
+        names."""
         # `skip` builds its command tree on every start: the simulator (torch, pyarrow) loads here.
         from skip_plugin_simulate.measured import read_profile
-        from skip_plugin_simulate.report import Result, plot, published, recommendation, table
-        from skip_plugin_simulate.simulate import simulate_all, summarize
+        from skip_plugin_simulate.report import plot, published, recommendation, table
+        from skip_plugin_simulate.simulate import SPLIT_KEY, load, scenario, simulate_point, split_sweep
 
         if "=" in preset_name:  # no preset named: the first argument is an override
             preset_name, overrides = "default", (preset_name, *overrides)
@@ -104,14 +114,15 @@ def register(cli: click.Group) -> None:
                 raise click.UsageError(str(exc)) from None
             console.print(describe(measured, profile))
         names = list(schedules) or sorted(registry().kinds.get("schedules", {}))
-        results = []
-        points = sweep_points(sweeps)
-        for point in points:
-            try:
-                sim, timelines = simulate_all(base, [*overrides, *point], names, measured)
-            except ConfigError as exc:
-                raise click.UsageError(str(exc)) from None
-            results += [Result(summarize(name, timeline), point, timeline) for name, timeline in timelines.items()]
+        try:
+            sim, _ = load(scenario(base, list(overrides), measured))
+            theirs = next((w for w in sweeps if w.startswith(f"{SPLIT_KEY}=")), None)
+            split = theirs or split_sweep(sim, shares)
+            points = sweep_points((*sweeps, split) if split and not theirs else sweeps)
+            first = split.split(",")[0] if split else None
+            results = [r for point in points for r in simulate_point(base, overrides, point, names, measured, first)]
+        except ConfigError as exc:
+            raise click.UsageError(str(exc)) from None
         c = sim.cluster
         steps = sim.trainer.total_training_steps
         console.print(table(results, f"skip simulate {name}: {steps} steps on {c.devices} devices"))

@@ -13,24 +13,23 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from skip_plugin_simulate.clock import Clock
 from skip_plugin_simulate.config import Engines
+from skip_plugin_simulate.workload import Shape
 
 _EPS = 1e-6  # tokens: what float rounding may leave of a finished turn
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
-    """One sample: the tokens it generates per turn, and what it prefills before each."""
+    """One sample in flight: its shape, and how far it got."""
 
-    prompt_tokens: int
-    turns: list[int]
-    tool_tokens: int
-    tool_s: float
+    shape: Shape
     version: int  # the weights it started with
     on_done: Callable[[Request], None]
     turn: int = 0
@@ -41,11 +40,11 @@ class Request:
     finished_at: float = 0.0
 
     def __post_init__(self) -> None:
-        self.prefill, self.last_version = self.prompt_tokens, self.version
+        self.prefill, self.last_version = self.shape.prompt_tokens, self.version
 
     @property
     def response_tokens(self) -> int:
-        return sum(self.turns)
+        return sum(self.shape.turns)
 
 
 class Engine:
@@ -65,21 +64,23 @@ class Engine:
         self._progress = 0.0
         self._stall = 0.0  # prefill seconds left before decoding goes on
         self._since = 0.0
-        self._epoch = 0  # a scheduled end is stale once the running set changed
+        self._wake_at = math.inf  # the earliest event scheduled; a later one finding less due is a no-op
 
     @property
     def running(self) -> int:
         return len(self._ends)
 
     def submit(self, request: Request) -> None:
+        """Queue ``request``; it joins at this instant, once every submit of the instant is in
+        (a step's thousands of submits make one update, not one each)."""
         self.queue.append(request)
-        self._update()
+        self._wake(self.clock.now)
 
     def pause(self) -> None:
         """Stop after the tokens so far; requests keep their progress (partial rollout)."""
         self._update()
         self.paused = True
-        self._epoch += 1
+        self._wake_at = math.inf
 
     def resume(self) -> None:
         """Go on; the requests that ran prefill their context again (their KV cache is gone)."""
@@ -113,30 +114,39 @@ class Engine:
             self._stall += self.spec.prefill_s_per_token * request.prefill
             request.context += request.prefill
             request.prefill = 0
-            end = self._progress + request.turns[request.turn]
+            end = self._progress + request.shape.turns[request.turn]
             heapq.heappush(self._ends, (end, next(self._order), request))
-        self._epoch += 1
         if self.paused or not self._ends:
             return
-        epoch = self._epoch
-        when = self.clock.now + self._stall + (self._ends[0][0] - self._progress) * self._step_s()
-        self.clock.at(when, lambda: epoch == self._epoch and self._update())
+        self._wake(self.clock.now + self._stall + (self._ends[0][0] - self._progress) * self._step_s())
+
+    def _wake(self, when: float) -> None:
+        """Update at ``when`` unless an update comes sooner: that one reschedules. Keeping one
+        event per engine keeps the clock's heap small (an event per change grows it by millions)."""
+        if when < self._wake_at:
+            self._wake_at = when
+            self.clock.at(when, self._due)
+
+    def _due(self) -> None:
+        if self.clock.now >= self._wake_at:  # else a sooner event came and rescheduled
+            self._wake_at = math.inf
+            self._update()
 
     def _end_turn(self, request: Request) -> None:
-        request.context += request.turns[request.turn]
+        request.context += request.shape.turns[request.turn]
         request.turn += 1
-        if request.turn == len(request.turns):
+        if request.turn == len(request.shape.turns):
             request.finished_at = self.clock.now
             request.on_done(request)
             return
-        request.prefill = request.tool_tokens
+        request.prefill = request.shape.tool_tokens
         self.away += 1
 
         def back() -> None:
             self.away -= 1
             self.submit(request)
 
-        self.clock.after(request.tool_s, back)
+        self.clock.after(request.shape.tool_s, back)
 
 
 class Rollout:

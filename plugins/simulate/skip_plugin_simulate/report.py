@@ -5,35 +5,26 @@ from __future__ import annotations
 
 import io
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 from rich.table import Table
 from skip_core.files import write_atomic
 
 from skip_plugin_simulate.config import Published
-from skip_plugin_simulate.run import Timeline
-from skip_plugin_simulate.simulate import Summary
+from skip_plugin_simulate.simulate import SPLIT_KEY, Result
 
 
-@dataclass(frozen=True)
-class Result:
-    summary: Summary
-    point: list[str]  # the sweep's overrides this run had
-    timeline: Timeline
-
-    @property
-    def settings(self) -> str:
-        """The sweep point, each key by its last part (``rollout_devices=32``)."""
-        return " ".join(override.rpartition(".")[2] for override in self.point)
-
-    @property
-    def label(self) -> str:
-        return f"{self.summary.schedule} {self.settings}".strip()
+def _rate(results: list[Result], schedule: str, point: list[str]) -> float | None:
+    """``schedule``'s samples/s at ``point``; a schedule run at one split only (a colocated
+    sync) stands for every split."""
+    rows = [r for r in results if r.summary.schedule == schedule]
+    exact = next((r for r in rows if r.point == point), None)
+    found = exact or next((r for r in rows if _unsplit(r.point) == _unsplit(point)), None)
+    return found.summary.samples_per_s if found else None
 
 
-def _sync_rate(results: list[Result], point: list[str]) -> float | None:
-    return next((r.summary.samples_per_s for r in results if r.summary.schedule == "sync" and r.point == point), None)
+def _unsplit(point: list[str]) -> list[str]:
+    return [o for o in point if not o.startswith(f"{SPLIT_KEY}=")]
 
 
 def table(results: list[Result], title: str) -> Table:
@@ -42,7 +33,7 @@ def table(results: list[Result], title: str) -> Table:
     for column in (*columns, "trainer idle", "rollout busy", "staleness mean / max", "partial"):
         out.add_column(column, justify="right")
     for r in results:
-        s, base = r.summary, _sync_rate(results, r.point)
+        s, base = r.summary, _rate(results, "sync", r.point)
         out.add_row(
             s.schedule,
             r.settings,
@@ -61,15 +52,11 @@ def table(results: list[Result], title: str) -> Table:
 def published(results: list[Result], figures: Published, point: list[str]) -> str:
     """The prediction at the sweep ``point`` beside what the preset's source reported."""
 
-    def rate(schedule: str) -> float | None:
-        rows = (r for r in results if r.summary.schedule == schedule and r.point == point)
-        return next((r.summary.samples_per_s for r in rows), None)
-
-    base = rate(figures.baseline)
+    base = _rate(results, figures.baseline, point)
     where = f" (at {' '.join(point)})" if point else ""
     lines = [f"published ({figures.source}), throughput against {figures.baseline}{where}:"]
     for schedule, figure in figures.speedup.items():
-        mine = rate(schedule)
+        mine = _rate(results, schedule, point)
         predicted = f"{mine / base:.2f}x" if mine and base else "not simulated"
         lines.append(f"  {schedule}: published {figure:.2f}x, predicted {predicted}")
     return "\n".join(lines)
@@ -77,7 +64,7 @@ def published(results: list[Result], figures: Published, point: list[str]) -> st
 
 def recommendation(results: list[Result]) -> str:
     best = max(results, key=lambda r: r.summary.samples_per_s)
-    base = _sync_rate(results, best.point)
+    base = _rate(results, "sync", best.point)
     versus = f", {best.summary.samples_per_s / base:.2f}x sync" if base and best.summary.schedule != "sync" else ""
     where = f" with {' '.join(best.point)}" if best.point else ""
     return f"fastest: {best.summary.schedule}{where}: {best.summary.samples_per_s:.2f} samples/s{versus}"

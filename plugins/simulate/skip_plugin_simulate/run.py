@@ -3,7 +3,7 @@
 A schedule plugin cannot tell it from the real trainer: ``generate`` returns a future that
 the simulated engines complete, ``train`` and ``sync_weights`` block for their modelled time,
 ``step`` checkpoints and logs. What it logs is measured on the virtual clock, not read from
-the schedule's own timers, which run in real time. Validation is not modelled.
+the schedule's own timers, which run in real time.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import contextlib
 from collections.abc import Iterator
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 from skip_core.batch import Batch
@@ -123,18 +122,20 @@ class SimulatedRun:
         state = prompts.meta_info.get("loader_state")
         if sample_id is None and state is not None:
             self._loader_states[step] = state
-        rows = [
-            (e, p, o)
-            for e, p in zip(prompts.non_tensor_batch["epoch"], prompts.non_tensor_batch["prompt"], strict=True)
-            for o in range(self.sim.rollout.n)
-        ]
+        n, columns = self.sim.rollout.n, prompts.non_tensor_batch
+        rows = {
+            "epoch": np.repeat(columns["epoch"], n),
+            "prompt": np.repeat(columns["prompt"], n),
+            "offset": np.tile(np.arange(n), len(prompts)),
+        }
         with self.clock.lock:
             self._fed += len(prompts)
             self._fed_in_window += len(prompts)
             return self._launch(rows, self.workload)
 
-    def _launch(self, rows: list[tuple[int, int, int]], workload: Workload) -> Future:
-        """Submit one request per row; the future's batch comes when the last one ends."""
+    def _launch(self, rows: dict[str, np.ndarray], workload: Workload) -> Future:
+        """Submit one request per row (its epoch, prompt and offset); the future's batch comes
+        when the last one ends."""
         future: Future = Future()
         done: list[Request] = []
         start = self.clock.now
@@ -147,9 +148,11 @@ class SimulatedRun:
                 batch = self._batch(rows, requests, self.clock.now - start)
                 self.clock.wake(lambda: future.set_result(batch))
 
+        shapes = workload.draw(rows["epoch"], rows["prompt"], rows["offset"])
         with self.clock.lock:
             self._pending.add(future)
-            requests = [self._request(workload, *row, finished) for row in rows]
+            version = self._rollout_version
+            requests = [Request(shape, version, finished) for shape in shapes]
             for request in requests:
                 self.rollout.submit(request)
             self.timeline.peak_in_flight = max(self.timeline.peak_in_flight, len(self.rollout.in_flight))
@@ -167,10 +170,9 @@ class SimulatedRun:
         self._spent["train"] += seconds
         self._actor_version = record.step
         self._trained += len(batch) // self.sim.rollout.n
-        self.timeline.trained[record.step] = [
-            (int(e), int(p), int(o))
-            for e, p, o in zip(extras["epoch"], extras["prompt"], extras["offset"], strict=True)
-        ]
+        self.timeline.trained[record.step] = list(
+            zip(extras["epoch"].tolist(), extras["prompt"].tolist(), extras["offset"].tolist(), strict=True)
+        )
 
     def sync_weights(self, interrupt: bool = False) -> None:
         if not interrupt and self._pending:
@@ -203,33 +205,25 @@ class SimulatedRun:
             wait(list(self._pending))
         if self._rollout_version != self._actor_version:
             self.sync_weights(interrupt)
-        rows = [(0, prompt, o) for prompt in range(self.sim.data.val_prompts) for o in range(self.sim.rollout.val_n)]
-        with self.clock.lock:
-            future = self._launch(rows, self.val_workload)
+        prompts, n = self.sim.data.val_prompts, self.sim.rollout.val_n
+        rows = {"epoch": np.zeros(prompts * n, np.int64), "prompt": np.repeat(np.arange(prompts), n)}
+        future = self._launch({**rows, "offset": np.tile(np.arange(n), prompts)}, self.val_workload)
         future.result()
         self._spent["testing"] += self.clock.now - start
         record.timing["testing"] = self.clock.now - start
 
     # -- the simulation's side ---------------------------------------------------------
 
-    def _request(self, workload: Workload, epoch: int, prompt: int, offset: int, on_done: Any) -> Request:
-        shape = workload.sample(int(epoch), int(prompt), offset)
-        return Request(
-            shape.prompt_tokens, shape.turns, shape.tool_tokens, shape.tool_s, self._rollout_version, on_done
-        )
-
-    def _batch(self, rows: list[tuple[int, int, int]], requests: list[Request], seconds: float) -> Batch:
+    def _batch(self, rows: dict[str, np.ndarray], requests: list[Request], seconds: float) -> Batch:
         columns = {
-            "epoch": [e for e, _, _ in rows],
-            "prompt": [p for _, p, _ in rows],
-            "offset": [o for _, _, o in rows],
-            "prompt_tokens": [r.prompt_tokens for r in requests],
+            "prompt_tokens": [r.shape.prompt_tokens for r in requests],
             "response_tokens": [r.response_tokens for r in requests],
             "min_weight_version": [r.version for r in requests],
             "max_weight_version": [r.last_version for r in requests],
             "interruptions": [r.interruptions for r in requests],
         }
-        return Batch(non_tensor_batch={k: np.array(v) for k, v in columns.items()}, meta_info={"generate_s": seconds})
+        arrays = {**rows, **{key: np.array(value) for key, value in columns.items()}}
+        return Batch(non_tensor_batch=arrays, meta_info={"generate_s": seconds})
 
     def _row(self, record: StepRecord, start: float) -> dict[str, float]:
         elapsed = self.clock.now - start

@@ -32,6 +32,28 @@ class Summary:
     partial_ratio: float
 
 
+@dataclass(frozen=True)
+class Result:
+    """One schedule at one sweep point."""
+
+    summary: Summary
+    point: list[str]  # the sweep's overrides this run had
+    timeline: Timeline
+
+    @property
+    def settings(self) -> str:
+        """The sweep point, each key by its last part (``rollout_devices=32``)."""
+        return " ".join(override.rpartition(".")[2] for override in self.point)
+
+    @property
+    def label(self) -> str:
+        return f"{self.summary.schedule} {self.settings}".strip()
+
+
+#: The rollout:trainer split: the devices an overlapped schedule gives its engines.
+SPLIT_KEY = "cluster.rollout_devices"
+
+
 def load(config: Any) -> tuple[Simulation, Sections]:
     """The simulation's own keys, and the schedules' sections (``async_training`` ...) as each
     plugin declares them; a bad key is a ``ConfigError`` naming it."""
@@ -57,14 +79,22 @@ def simulate(
 ) -> Timeline:
     """``schedule`` (any installed schedule plugin) trains the simulated run to its end, or up
     to ``crash_at``, where it fails with ``Crash``; the timeline holds what it did until then."""
-    factory = lookup("--schedule", "schedule", schedule, registry().kinds.get("schedules", {}))
-    plan = factory(sections)
+    plan = _plan(schedule, sections)
     run = SimulatedRun(sim, plan.overlapped, Clock(), workload, val_workload, resume, crash_at)
     try:
         run.clock.run(lambda: plan.fit(run))
     except Crash:
         run.timeline.crashed = True
     return run.timeline
+
+
+def _plan(schedule: str, sections: Sections) -> Any:
+    return lookup("--schedule", "schedule", schedule, registry().kinds.get("schedules", {}))(sections)
+
+
+def overlapped(schedule: str, sections: Sections) -> bool:
+    """Whether ``schedule`` generates beside training, on its share of the devices."""
+    return _plan(schedule, sections).overlapped
 
 
 def summarize(schedule: str, timeline: Timeline) -> Summary:
@@ -94,15 +124,57 @@ def overrides_to_config(base: Mapping[str, Any], overrides: list[str]) -> Any:
     return OmegaConf.merge(OmegaConf.create(dict(base)), OmegaConf.from_dotlist(list(overrides)))
 
 
+def scenario(base: Mapping[str, Any], overrides: list[str], measured: Measured | None = None) -> Any:
+    """A preset's keys, what a profile measured on top of them, then the overrides."""
+    if measured is not None:
+        base = OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(dict(base)), measured.overrides()))
+    return overrides_to_config(base, overrides)
+
+
 def simulate_all(
     base: Mapping[str, Any], overrides: list[str], schedules: list[str], measured: Measured | None = None
 ) -> tuple[Simulation, dict[str, Timeline]]:
-    """Each schedule on one scenario: a preset's keys, what a profile measured on top of them,
-    then the overrides; every schedule sees the same samples."""
-    if measured is not None:
-        base = OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(dict(base)), measured.overrides()))
-    sim, sections = load(overrides_to_config(base, overrides))
+    """Each schedule on one ``scenario``; every schedule sees the same samples."""
+    sim, sections = load(scenario(base, overrides, measured))
     groups, val_groups = (measured.groups, measured.val_groups) if measured else (None, None)
     workload = Workload(sim.requests, sim.trainer.seed, groups)
     val_workload = Workload(sim.requests, sim.trainer.seed + VALIDATION_SEED, val_groups)
     return sim, {name: simulate(sim, name, sections, workload, val_workload) for name in schedules}
+
+
+def split_sweep(sim: Simulation, shares: str) -> str | None:
+    """The rollout:trainer splits a recommendation tries, as a ``--sweep``: the scenario's own
+    and each share of the devices, in whole engines (one engine and one trainer device at least)."""
+    if shares.strip().lower() == "none":
+        return None
+    per, devices = sim.engines.devices_per_engine, sim.cluster.devices
+    values = {sim.cluster.rollout_devices}
+    for share in shares.split(","):
+        try:
+            fraction = float(share)
+        except ValueError:
+            fraction = -1.0
+        if not 0 < fraction < 1:
+            raise ConfigError(f"--split: {share!r} is not a share between 0 and 1 (or give none)")
+        value = max(1, round(fraction * devices / per)) * per
+        if value < devices:
+            values.add(value)
+    return f"{SPLIT_KEY}={','.join(map(str, sorted(values)))}" if len(values) > 1 else None
+
+
+def simulate_point(
+    base: Mapping[str, Any],
+    overrides: list[str],
+    point: list[str],
+    schedules: list[str],
+    measured: Measured | None = None,
+    first_split: str | None = None,
+) -> list[Result]:
+    """The schedules at one sweep ``point``. A colocated schedule that does not overlap uses
+    every device whatever the split, so it runs only at the sweep's ``first_split``
+    (``key=value``), as the baseline of every split."""
+    sim, sections = load(scenario(base, [*overrides, *point], measured))
+    same_anywhere = {s for s in schedules if sim.cluster.colocated and not overlapped(s, sections)}
+    here = [s for s in schedules if first_split is None or first_split in point or s not in same_anywhere]
+    _, timelines = simulate_all(base, [*overrides, *point], here, measured)
+    return [Result(summarize(name, timeline), point, timeline) for name, timeline in timelines.items()]
