@@ -99,7 +99,7 @@ def register(cli: click.Group) -> None:
         names."""
         # `skip` builds its command tree on every start: the simulator (torch, pyarrow) loads here.
         from skip_plugin_simulate.measured import read_profile
-        from skip_plugin_simulate.report import plot, published, recommendation, table
+        from skip_plugin_simulate.report import plot, published, recommendation, staleness, table
         from skip_plugin_simulate.simulate import SPLIT_KEY, load, scenario, simulate_point, split_sweep
 
         if "=" in preset_name:  # no preset named: the first argument is an override
@@ -126,6 +126,8 @@ def register(cli: click.Group) -> None:
         c = sim.cluster
         steps = sim.trainer.total_training_steps
         console.print(table(results, f"skip simulate {name}: {steps} steps on {c.devices} devices"))
+        if spread := staleness(results):
+            console.print(spread)
         if sim.published is not None:
             console.print(published(results, sim.published, preset_point(base, points)))
         console.print(recommendation(results))

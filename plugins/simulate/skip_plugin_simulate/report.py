@@ -49,6 +49,17 @@ def table(results: list[Result], title: str) -> Table:
     return out
 
 
+def staleness(results: list[Result]) -> str:
+    """How many updates behind the trained samples were, per run that trained any stale one."""
+    lines = []
+    for r in results:
+        shares = r.summary.staleness
+        if max(shares, default=0) > 0:
+            spread = ", ".join(f"{k}: {share:.0%}" for k, share in shares.items() if share >= 0.005)
+            lines.append(f"  {r.label}: {spread}")
+    return "\n".join(["staleness of the trained samples (updates behind: share):", *lines]) if lines else ""
+
+
 def published(results: list[Result], figures: Published, point: list[str]) -> str:
     """The prediction at the sweep ``point`` beside what the preset's source reported."""
 

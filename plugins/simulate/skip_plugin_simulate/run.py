@@ -9,6 +9,7 @@ the schedule's own timers, which run in real time.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ class Timeline:
     checkpoints: dict[int, Checkpoint] = field(default_factory=dict)
     crashed: bool = False
     peak_in_flight: int = 0  # samples submitted and not finished, at most
+    staleness: Counter[int] = field(default_factory=Counter)  # updates behind -> trained samples
     #: At each weight sync after the first: the prompts fed or trained-pending when the window
     #: before it opened (carried over), and the prompts fed during it: what a staleness bound caps.
     windows: list[tuple[int, int]] = field(default_factory=list)
@@ -164,6 +166,7 @@ class SimulatedRun:
         stale = self._actor_version - extras["min_weight_version"]
         record.metrics["training/staleness"] = float(stale.mean())
         record.metrics["training/staleness_max"] = float(stale.max())
+        self.timeline.staleness.update(stale.tolist())
         tokens = float(extras["prompt_tokens"].sum() + extras["response_tokens"].sum())
         seconds = self.sim.training.fixed_s + self.sim.training.s_per_token * tokens / self.trainer_devices
         self.clock.sleep(seconds)

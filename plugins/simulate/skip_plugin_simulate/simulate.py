@@ -29,6 +29,7 @@ class Summary:
     rollout_busy: float
     staleness_mean: float
     staleness_max: float
+    staleness: dict[int, float]  # updates behind -> share of the trained samples
     partial_ratio: float
 
 
@@ -113,8 +114,9 @@ def summarize(schedule: str, timeline: Timeline) -> Summary:
         samples_per_s=samples / wall if wall else 0.0,
         trainer_idle=mean("trainer/idle_ratio"),
         rollout_busy=mean("rollout/busy_ratio"),
-        staleness_mean=mean("training/staleness"),
-        staleness_max=max((row.get("training/staleness_max", 0.0) for row in rows), default=0.0),
+        staleness_mean=sum(k * n for k, n in timeline.staleness.items()) / samples if samples else 0.0,
+        staleness_max=max(timeline.staleness, default=0),
+        staleness={k: n / samples for k, n in sorted(timeline.staleness.items())},
         partial_ratio=sum(row["partial_samples"] for row in rows) / samples if samples else 0.0,
     )
 

@@ -49,6 +49,8 @@ def test_staleness_is_what_each_schedule_promises():
     rows = {name: simulate(sim, name, sections).rows for name in SCHEDULES}
     assert {row["training/staleness_max"] for row in rows["sync"]} == {0}
     assert [row["training/staleness_max"] for row in rows["one_step_off"]] == [0] + [1] * 11
+    shares = summarize("one_step_off", simulate(sim, "one_step_off", sections)).staleness
+    assert shares == pytest.approx({0: 1 / 12, 1: 11 / 12})  # the distribution, per trained sample
     # fully_async bounds what it feeds per weight version (verl's admission control): the prompts
     # carried into a window and those fed during it stay within required x (1 + threshold) x trigger.
     timeline = simulate(sim, "fully_async", sections)
