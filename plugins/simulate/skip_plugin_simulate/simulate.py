@@ -44,11 +44,16 @@ class Result:
     @property
     def settings(self) -> str:
         """The sweep point, each key by its last part (``rollout_devices=32``)."""
-        return " ".join(override.rpartition(".")[2] for override in self.point)
+        return " ".join(_short(override) for override in self.point)
 
     @property
     def label(self) -> str:
         return f"{self.summary.schedule} {self.settings}".strip()
+
+
+def _short(override: str) -> str:
+    key, _, value = override.partition("=")
+    return f"{key.rpartition('.')[2]}={value}"
 
 
 #: The rollout:trainer split: the devices an overlapped schedule gives its engines.

@@ -45,10 +45,20 @@ def test_split_none_keeps_the_scenarios_own_split(tmp_path):
 
 def test_a_sweep_runs_each_point_and_names_the_fastest_with_its_settings(tmp_path):
     result = simulate(
-        *SMALL, "-s", "fully_async", "--sweep", "cluster.rollout_devices=1,3", "--plot", str(tmp_path / "p.png")
+        *SMALL,
+        *(
+            "-s",
+            "fully_async",
+            "--sweep",
+            "cluster.rollout_devices=1,3",
+            "--sweep",
+            "async_training.staleness_threshold=0.5",
+        ),
+        *("--plot", str(tmp_path / "p.png")),
     )
     assert result.exit_code == 0, result.output
     assert "rollout_devices=1" in result.output and "rollout_devices=3" in result.output
+    assert "staleness_threshold=0.5" in result.output  # a setting is named by its key's last part
     assert "fastest: fully_async with cluster.rollout_devices=" in result.output
 
 
