@@ -31,7 +31,7 @@ def table(results: list[Result], title: str) -> Table:
     out = Table(title=title)
     columns = ("schedule", "settings", "engines / trainer devices", "mean step", "samples/s", "vs sync")
     for column in (*columns, "trainer idle", "rollout busy", "staleness mean / max", "partial"):
-        out.add_column(column, justify="right")
+        out.add_column(column, justify="right", overflow="fold")  # a long sweep setting wraps, whole
     for r in results:
         s, base = r.summary, _rate(results, "sync", r.point)
         out.add_row(

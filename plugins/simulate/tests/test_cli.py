@@ -58,7 +58,7 @@ def test_a_sweep_runs_each_point_and_names_the_fastest_with_its_settings(tmp_pat
     )
     assert result.exit_code == 0, result.output
     assert "rollout_devices=1" in result.output and "rollout_devices=3" in result.output
-    assert "staleness_threshold=0.5" in result.output  # a setting is named by its key's last part
+    assert "fully_async rollout_devices=1 staleness_threshold=0.5: 0: " in result.output  # keys' last parts
     assert "fastest: fully_async with cluster.rollout_devices=" in result.output
 
 
