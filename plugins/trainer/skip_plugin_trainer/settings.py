@@ -169,6 +169,21 @@ class ActorConfig(_Section):
     optim: Optim = Optim()
 
 
+class CriticConfig(_Section):
+    """``critic``: the value model of ``algorithm.adv_estimator=gae``, with verl's key names: the
+    policy's architecture with a one-output head, trained beside it on its own optimizer.
+    Batch sizes count as the actor's do; ``cliprange_value`` bounds how far one update moves a
+    value from the one the advantages used."""
+
+    ppo_mini_batch_size: PositiveInt = 16
+    ppo_micro_batch_size: PositiveInt = 16
+    ppo_epochs: PositiveInt = 1
+    cliprange_value: PositiveFloat = 0.5
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    grad_clip: PositiveFloat | None = 1.0
+    optim: Optim = Optim()
+
+
 class RolloutCorrection(_Section):
     """``algorithm.rollout_correction``, verl's keys: how PPO treats samples whose engine log-probs
     (the behaviour policy) differ from the trainer's, as they do when generation runs on older weights.
@@ -185,10 +200,12 @@ class RolloutCorrection(_Section):
 
 
 class AlgorithmConfig(_Section):
-    """``algorithm``: the advantage estimator and the optional KL penalty in the reward."""
+    """``algorithm``: the advantage estimator (``gae`` trains a critic) and the optional KL
+    penalty in the reward; ``gamma`` and ``lam`` are GAE's discount and trace decay."""
 
-    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus"] = "grpo"
+    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "gae"] = "grpo"
     gamma: float = 1.0
+    lam: float = Field(1.0, ge=0, le=1)
     norm_adv_by_std_in_grpo: bool = True
     use_kl_in_reward: bool = False
     kl_penalty: KlType = "kl"
@@ -208,6 +225,7 @@ class TrainerConfig(_Section):
     save_freq: int = -1
     test_freq: int = -1
     val_before_train: bool = False
+    critic_warmup: NonNegativeInt = 0  # steps that train only the critic, the actor from this step on
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
     resume_from_path: str | None = None
     max_ckpt_to_keep: PositiveInt | None = None
@@ -250,6 +268,7 @@ SECTIONS: dict[str, type[BaseModel]] = {
     "rollout": RolloutConfig,
     "reward": RewardConfig,
     "actor": ActorConfig,
+    "critic": CriticConfig,
     "algorithm": AlgorithmConfig,
     "trainer": TrainerConfig,
     "resources": Resources,
@@ -293,6 +312,7 @@ class RunSettings(RolloutSettings):
     """What ``skip run`` needs on top: ``actor``, ``algorithm``, ``trainer``, ``resources``; cross-checked."""
 
     actor: ActorConfig
+    critic: CriticConfig
     algorithm: AlgorithmConfig
     trainer: TrainerConfig
     resources: Resources
@@ -304,6 +324,7 @@ class RunSettings(RolloutSettings):
         settings = cls(
             **fields,
             actor=sections[ActorConfig],
+            critic=sections[CriticConfig],
             algorithm=sections[AlgorithmConfig],
             trainer=sections[TrainerConfig],
             resources=sections[Resources],
@@ -314,6 +335,10 @@ class RunSettings(RolloutSettings):
     @property
     def train_batch_size(self) -> int:
         return self.data.train_batch_size
+
+    @property
+    def use_critic(self) -> bool:
+        return self.algorithm.adv_estimator == "gae"
 
     @property
     def use_reference(self) -> bool:
@@ -335,21 +360,24 @@ class RunSettings(RolloutSettings):
             "rollout.n": self.rollout.n,
             "model.path": str(Path(self.model.path or "").expanduser().absolute()),
         }
-        algorithm = self.algorithm.model_dump(mode="json", exclude={"rollout_correction"})
+        unused = set() if self.use_critic else {"lam"}  # GAE's alone: older GRPO checkpoints lack it
+        algorithm = self.algorithm.model_dump(mode="json", exclude={"rollout_correction", *unused})
         return {**fixed, **{f"algorithm.{key}": value for key, value in algorithm.items()}}
 
     def check_sizes(self) -> None:
-        actor, n, batch = self.actor, self.rollout.n, self.data.train_batch_size
-        if batch % actor.ppo_mini_batch_size:
-            raise ConfigError(
-                f"actor.ppo_mini_batch_size: {actor.ppo_mini_batch_size} prompts do not divide "
-                f"data.train_batch_size={batch}"
-            )
-        if (actor.ppo_mini_batch_size * n) % actor.ppo_micro_batch_size:
-            raise ConfigError(
-                f"actor.ppo_micro_batch_size: {actor.ppo_micro_batch_size} samples do not divide a mini-batch of "
-                f"{actor.ppo_mini_batch_size} prompts x rollout.n={n} = {actor.ppo_mini_batch_size * n} samples"
-            )
+        n, batch = self.rollout.n, self.data.train_batch_size
+        models = [("actor", self.actor)] + ([("critic", self.critic)] if self.use_critic else [])
+        for name, model in models:
+            if batch % model.ppo_mini_batch_size:
+                raise ConfigError(
+                    f"{name}.ppo_mini_batch_size: {model.ppo_mini_batch_size} prompts do not divide "
+                    f"data.train_batch_size={batch}"
+                )
+            if (model.ppo_mini_batch_size * n) % model.ppo_micro_batch_size:
+                raise ConfigError(
+                    f"{name}.ppo_micro_batch_size: {model.ppo_micro_batch_size} samples do not divide a mini-batch "
+                    f"of {model.ppo_mini_batch_size} prompts x rollout.n={n} = {model.ppo_mini_batch_size * n} samples"
+                )
         workers = self.resources.rollout.workers
         if batch % workers:
             raise ConfigError(

@@ -1,6 +1,7 @@
-"""The training phases of a step on a rolled-out batch: reward, old and reference log-probs,
-advantages and the actor update (verl's order). The driver computes rewards and advantages;
-log-probs and the update run on the policy worker, which sees only ``ACTOR_INPUTS``.
+"""The training phases of a step on a rolled-out batch, in verl's order: reward, old and
+reference log-probs, values, advantages, the critic update and the actor update. The driver
+computes rewards and advantages; log-probs and updates run on the policy and critic workers,
+which see only ``ACTOR_INPUTS`` and what their phase adds.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from skip_plugin_trainer.settings import RunSettings
 from skip_plugin_trainer.train.algorithm import agg_loss, apply_kl_penalty, compute_advantages
 from skip_plugin_trainer.train.correction import rollout_is_weights
 from skip_plugin_trainer.train.reward import Rewarder
+from skip_plugin_trainer.train.value import gae_advantages, value_metrics
 
 # What the policy worker reads; nothing else crosses to it.
 ACTOR_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
@@ -25,8 +27,10 @@ class Phases:
     """``overlapped``: the schedule generates with older weights, so by default the rollout
     log-probs are PPO's old log-probs (``algorithm.rollout_correction.bypass_mode``)."""
 
-    def __init__(self, settings: RunSettings, actor: Any, rewarder: Rewarder, overlapped: bool) -> None:
-        self.settings, self.actor, self.rewarder = settings, actor, rewarder
+    def __init__(
+        self, settings: RunSettings, actor: Any, rewarder: Rewarder, overlapped: bool, critic: Any = None
+    ) -> None:
+        self.settings, self.actor, self.rewarder, self.critic = settings, actor, rewarder, critic
         self.correction = settings.algorithm.rollout_correction
         self.bypass = settings.bypass_mode(overlapped)
 
@@ -44,10 +48,17 @@ class Phases:
             with record.timed("ref"):
                 ref = self.compute_ref_log_prob(batch.select(ACTOR_INPUTS, [], []))
                 batch.batch["ref_log_prob"] = ref.batch["ref_log_prob"]
+        if self.critic is not None:
+            with record.timed("values"):
+                batch.batch["values"] = self.compute_values(batch.select(ACTOR_INPUTS, [], [])).batch["values"]
         with record.timed("adv"):
             record.metrics.update(self.compute_advantage(batch))
-        with record.timed("update_actor"):
-            record.metrics.update(self.update_actor(batch))
+        if self.critic is not None:
+            with record.timed("update_critic"):
+                record.metrics.update(self.update_critic(batch))
+        if record.step >= self.settings.trainer.critic_warmup:  # verl: the critic alone before it
+            with record.timed("update_actor"):
+                record.metrics.update(self.update_actor(batch))
 
     def compute_reward(self, batch: Batch) -> None:
         scores, parts = self.rewarder(batch)
@@ -85,6 +96,9 @@ class Phases:
         role replays them on its steps (exact: same reference weights, same inputs)."""
         return ray.get(self.actor.compute_ref_log_prob.remote(inputs))
 
+    def compute_values(self, inputs: Batch) -> Batch:
+        return ray.get(self.critic.compute_values.remote(inputs))
+
     def compute_advantage(self, batch: Batch) -> dict[str, float]:
         algo, metrics = self.settings.algorithm, {}
         scores, mask = batch.batch["token_level_scores"], batch.batch["response_mask"]
@@ -97,16 +111,25 @@ class Phases:
             metrics = {"actor/reward_kl_penalty": kl, "actor/reward_kl_penalty_coeff": algo.kl_coef}
         else:
             batch.batch["token_level_rewards"] = scores
-        advantages, returns = compute_advantages(
-            algo.adv_estimator,
-            batch.batch["token_level_rewards"],
-            mask,
-            batch.non_tensor_batch["uid"],
-            gamma=algo.gamma,
-            norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
-        )
+        rewards = batch.batch["token_level_rewards"]
+        if algo.adv_estimator == "gae":
+            values = batch.batch["values"]
+            advantages, returns = gae_advantages(rewards, values, mask, gamma=algo.gamma, lam=algo.lam)
+            metrics |= value_metrics(values, returns, mask)
+        else:
+            advantages, returns = compute_advantages(
+                algo.adv_estimator,
+                rewards,
+                mask,
+                batch.non_tensor_batch["uid"],
+                gamma=algo.gamma,
+                norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
+            )
         batch.batch["advantages"], batch.batch["returns"] = advantages, returns
         return metrics
+
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        return ray.get(self.critic.update.remote(batch.select([*ACTOR_INPUTS, "values", "returns"], [], [])))
 
     def update_actor(self, batch: Batch) -> dict[str, float]:
         keys = [*ACTOR_INPUTS, "old_log_probs", "advantages"]

@@ -63,14 +63,16 @@ class Policy:
     @torch.no_grad()
     def compute_log_prob(self, batch: Batch) -> Batch:
         """``old_log_probs`` and per-token ``entropys`` under the current weights."""
-        parts = [self._forward(self.model, micro) for micro in self._micro_batches(batch)]
+        micros = micro_batches(batch, self.config.ppo_micro_batch_size)
+        parts = [self._forward(self.model, micro) for micro in micros]
         return Batch({"old_log_probs": torch.cat([p[0] for p in parts]), "entropys": torch.cat([p[1] for p in parts])})
 
     @torch.no_grad()
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         if self.reference is None:
             raise RuntimeError("the policy was built without a reference model (no KL is configured)")
-        parts = [self._forward(self.reference, micro, entropy=False)[0] for micro in self._micro_batches(batch)]
+        micros = micro_batches(batch, self.config.ppo_micro_batch_size)
+        parts = [self._forward(self.reference, micro, entropy=False)[0] for micro in micros]
         return Batch({"ref_log_prob": torch.cat(parts)})
 
     def update(self, batch: Batch) -> dict[str, float]:
@@ -97,36 +99,17 @@ class Policy:
 
     # -- internals ---------------------------------------------------------------------
 
-    def _micro_batches(self, batch: Batch) -> Iterator[Batch]:
-        size = self.config.ppo_micro_batch_size
-        for start in range(0, len(batch), size):
-            yield batch[start : start + size]
-
     def _forward(self, model: Any, batch: Batch, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Response log-probs (and entropies), computed on the batch cut to its non-padding span.
-
-        Prompts are left-padded and responses right-padded to fixed widths, so most columns of
-        a short batch are padding on every row; dropping them changes no result.
-        """
-        responses = batch.batch["responses"]
-        width = responses.shape[1]
-        used = batch.batch["attention_mask"].bool().any(dim=0).nonzero().flatten()
-        start, end = int(used[0]), max(int(used[-1]) + 1, batch.batch["input_ids"].shape[1] - width + 1)
-        out = model(
-            input_ids=batch.batch["input_ids"][:, start:end],
-            attention_mask=batch.batch["attention_mask"][:, start:end],
-            position_ids=batch.batch["position_ids"][:, start:end],
-            use_cache=False,
-        )
-        kept = end - (batch.batch["input_ids"].shape[1] - width)  # response columns inside the span
-        logits = out.logits[:, -kept - 1 : -1].float() / self.temperature
-        log_probs = _pad_right(log_probs_from_logits(logits, responses[:, :kept]), width)
-        return log_probs, _pad_right(entropy_from_logits(logits), width) if entropy else None
+        """Response log-probs (and entropies), right-padded to the response width."""
+        width = batch.batch["responses"].shape[1]
+        logits = response_outputs(model, batch).float() / self.temperature
+        log_probs = pad_right(log_probs_from_logits(logits, batch.batch["responses"][:, : logits.shape[1]]), width)
+        return log_probs, pad_right(entropy_from_logits(logits), width) if entropy else None
 
     def _step(self, mini: Batch, metrics: dict[str, list[float]]) -> None:
         cfg = self.config
         self.optimizer.zero_grad(set_to_none=True)
-        for micro in self._micro_batches(mini):
+        for micro in micro_batches(mini, cfg.ppo_micro_batch_size):
             log_prob, entropy = self._forward(self.model, micro, entropy=cfg.entropy_coeff != 0)
             mask = micro.batch["response_mask"]
             result = policy_loss(
@@ -162,5 +145,32 @@ class Policy:
         metrics["actor/lr"].append(self.optimizer.param_groups[0]["lr"])
 
 
-def _pad_right(values: torch.Tensor, width: int) -> torch.Tensor:
+def micro_batches(batch: Batch, size: int) -> Iterator[Batch]:
+    for start in range(0, len(batch), size):
+        yield batch[start : start + size]
+
+
+def response_outputs(model: Any, batch: Batch) -> torch.Tensor:
+    """The model's outputs at the positions that predict each response token (``[batch, kept, ...]``,
+    ``kept`` <= the response width: trailing all-padding columns are left out).
+
+    Computed on the batch cut to its non-padding span: prompts are left-padded and responses
+    right-padded to fixed widths, so most columns of a short batch are padding on every row;
+    dropping them changes no result.
+    """
+    width = batch.batch["responses"].shape[1]
+    total = batch.batch["input_ids"].shape[1]
+    used = batch.batch["attention_mask"].bool().any(dim=0).nonzero().flatten()
+    start, end = int(used[0]), max(int(used[-1]) + 1, total - width + 1)
+    out = model(
+        input_ids=batch.batch["input_ids"][:, start:end],
+        attention_mask=batch.batch["attention_mask"][:, start:end],
+        position_ids=batch.batch["position_ids"][:, start:end],
+        use_cache=False,
+    )
+    kept = end - (total - width)  # response columns inside the span
+    return out.logits[:, -kept - 1 : -1]
+
+
+def pad_right(values: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(values, (0, width - values.shape[1]))

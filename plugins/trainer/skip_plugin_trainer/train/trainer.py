@@ -129,8 +129,8 @@ class Trainer:
         """Join or start Ray, place the pools, load the model and restore the checkpoint, if any."""
         s = self.settings
         self.cluster.start(s, self.schedule.overlapped)
-        self.rollout, self.actor = self.cluster.rollout, self.cluster.actor
-        self.phases = Phases(s, self.actor, self.rewarder, self.schedule.overlapped)
+        self.rollout, self.actor, self.critic = self.cluster.rollout, self.cluster.actor, self.cluster.critic
+        self.phases = Phases(s, self.actor, self.rewarder, self.schedule.overlapped, self.critic)
         if self.resume_from is not None:
             self._resume(self.resume_from)
         resolved = OmegaConf.to_container(self.config, resolve=True) if OmegaConf.is_config(self.config) else None
@@ -297,6 +297,9 @@ class Trainer:
     def _resume(self, checkpoint: Checkpoint) -> None:
         self.loader.load_state_dict(checkpoint.trainer["loader"])
         ray.get(self.actor.load_checkpoint_state.remote(checkpoint.model, checkpoint.optimizer))
+        if self.critic is not None:
+            critic = checkpoint.trainer["critic"]  # present: a checkpoint's algorithm.* must match the run's
+            ray.get(self.critic.load_checkpoint_state.remote(critic["model"], critic["optimizer"]))
         self.global_steps = self._actor_version = checkpoint.step
         self._resumed_schedule_state = checkpoint.trainer.get("schedule")
         self.sync_weights()
@@ -308,6 +311,9 @@ class Trainer:
         model, optimizer = ray.get(self.actor.checkpoint_state.remote())
         loader = record.loader_state or self._loader_states.get(record.step) or self.loader.state_dict()
         state = trainer_state(self.settings, record.step, loader, record.schedule_state)
+        if self.critic is not None:  # its tensors go with the optimizer's, verified the same way
+            critic_model, critic_optimizer = ray.get(self.critic.checkpoint_state.remote())
+            state["critic"] = {"model": critic_model, "optimizer": critic_optimizer}
         return self.checkpoints.save(record.step, model, optimizer, state, capture_rng())
 
     def resume_state(self) -> dict | None:

@@ -23,6 +23,7 @@ from skip_core.manager import SkipManager
 
 from skip_plugin_trainer.rollout.padding import merge_rollout_stats
 from skip_plugin_trainer.settings import RolloutSettings, RunSettings
+from skip_plugin_trainer.train.critic import Critic
 from skip_plugin_trainer.train.policy import Policy
 
 POOL_TIMEOUT_S = 60
@@ -77,6 +78,7 @@ class Cluster:
         self.pools: list[Pool] = []
         self.rollout: RolloutGroup | None = None
         self.actor: Any = None
+        self.critic: Any = None
 
     def start(self, settings: RunSettings, overlapped: bool) -> None:
         resources = settings.resources
@@ -97,16 +99,25 @@ class Cluster:
         threads = resources.threads(rollout.cpus, overlapped, together=resources.rollout.workers)
         # Many concurrent calls per worker: streamed samples each wait in one; the engine batches them.
         workers = rollout.spawn(RolloutWorker, settings, threads, Pool.RANK, concurrency=STREAMED_PER_WORKER)
+        # The critic shares the policy's bundle, as verl colocates them: a step runs their phases in turn.
+        share = 2 if settings.use_critic else 1
+        threads = resources.threads(actor.cpus, overlapped)
         (self.actor,) = actor.spawn(
             Policy,
             str(settings.model_path()),
             settings.actor,
+            share=share,
             samples_per_prompt=settings.rollout.n,
             temperature=settings.rollout.temperature,
             use_reference=settings.use_reference,
             seed=settings.trainer.seed,
-            threads=resources.threads(actor.cpus, overlapped),
+            threads=threads,
         )
+        if settings.use_critic:
+            path, n, seed = str(settings.model_path()), settings.rollout.n, settings.trainer.seed
+            (self.critic,) = actor.spawn(
+                Critic, path, settings.critic, share=share, samples_per_prompt=n, seed=seed, threads=threads
+            )[-1:]
         # Both pools load their models side by side; the first step's timing is then the step's.
         ray.get([worker.__ray_ready__.remote() for pool in self.pools for worker in pool.actors])
         self.rollout = RolloutGroup(workers)
@@ -149,14 +160,15 @@ class Pool:
             name, key, bundles, cpus = pools[-1]
             raise ConfigError(_unplaceable(key, name, bundles, cpus))
 
-    def spawn(self, cls: type, *args: Any, concurrency: int = 1, **kwargs: Any) -> list[Any]:
+    def spawn(self, cls: type, *args: Any, concurrency: int = 1, share: int = 1, **kwargs: Any) -> list[Any]:
         """One ``cls`` actor per bundle, its constructor started (``__ray_ready__`` says when it is
-        done); ``concurrency`` calls may run in one actor at a time (threads)."""
+        done); ``concurrency`` calls may run in one actor at a time (threads); ``share`` actors
+        will share each bundle (the pool's actors so far are returned, the new ones last)."""
         remote = ray.remote(cls)
         for index in range(self.group.bundle_count):
             strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index)
             actor = remote.options(
-                num_cpus=self.cpus, scheduling_strategy=strategy, name=None, max_concurrency=concurrency
+                num_cpus=self.cpus / share, scheduling_strategy=strategy, name=None, max_concurrency=concurrency
             )
             ranked = [index if a is Pool.RANK else a for a in args]
             self.actors.append(actor.remote(*ranked, **{k: index if v is Pool.RANK else v for k, v in kwargs.items()}))

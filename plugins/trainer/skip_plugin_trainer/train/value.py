@@ -1,0 +1,70 @@
+"""The critic's math, with verl's semantics: GAE advantages and returns, the clipped value loss,
+and the value metrics of a step. Pure functions over ``[batch, response_len]`` tensors, like
+``algorithm.py``; ``values[:, t]`` is the critic's estimate before response token ``t``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from skip_plugin_trainer.train.algorithm import agg_loss, masked_mean, masked_whiten
+
+
+def gae_advantages(
+    token_level_rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016): advantages whitened over the
+    batch's loss tokens, and returns = advantages + values before whitening (the critic's target).
+
+    A token off the mask (a tool response inside a multi-turn answer) is skipped, not a step:
+    the next value and the running estimate carry across it, as in verl.
+    """
+    rewards, values = token_level_rewards.float(), values.float()
+    mask = response_mask.to(rewards.dtype)
+    next_value = rewards.new_zeros(rewards.shape[0])
+    running = rewards.new_zeros(rewards.shape[0])
+    advantages = torch.zeros_like(rewards)
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        estimate = delta + gamma * lam * running
+        next_value = values[:, t] * mask[:, t] + (1 - mask[:, t]) * next_value
+        running = estimate * mask[:, t] + (1 - mask[:, t]) * running
+        advantages[:, t] = running
+    returns = advantages + values
+    return masked_whiten(advantages, mask) * mask, returns * mask
+
+
+@dataclass(frozen=True)
+class ValueLoss:
+    loss: Tensor
+    clipfrac: float
+
+
+def value_loss(
+    vpreds: Tensor, returns: Tensor, values: Tensor, response_mask: Tensor, cliprange_value: float, loss_agg_mode: str
+) -> ValueLoss:
+    """PPO's clipped value loss: a new prediction may move at most ``cliprange_value`` from the
+    value the advantages were computed with, unless that moves it further from the return."""
+    clipped = values + (vpreds - values).clamp(-cliprange_value, cliprange_value)
+    unclipped_loss, clipped_loss = (vpreds - returns) ** 2, (clipped - returns) ** 2
+    loss = 0.5 * agg_loss(torch.maximum(unclipped_loss, clipped_loss), response_mask, loss_agg_mode)
+    clipfrac = masked_mean((clipped_loss > unclipped_loss).float(), response_mask).item()
+    return ValueLoss(loss, clipfrac)
+
+
+def value_metrics(values: Tensor, returns: Tensor, response_mask: Tensor) -> dict[str, float]:
+    """verl's ``critic/values/*``, ``critic/returns/*`` and ``critic/vf_explained_var`` over the
+    loss tokens: how much of the returns' variance the critic's values account for."""
+    valid = response_mask.bool()
+    v, r = values.float()[valid], returns.float()[valid]
+    if v.numel() == 0:
+        return {}
+    explained = 1.0 - torch.var(r - v, unbiased=False) / (torch.var(r, unbiased=False) + 1e-5)
+    metrics = {"critic/vf_explained_var": explained.item()}
+    for name, tensor in (("values", v), ("returns", r)):
+        metrics |= {f"critic/{name}/mean": tensor.mean().item(), f"critic/{name}/max": tensor.max().item()}
+        metrics[f"critic/{name}/min"] = tensor.min().item()
+    return metrics
