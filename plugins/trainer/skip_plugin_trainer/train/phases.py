@@ -66,7 +66,7 @@ class Phases:
         batch.non_tensor_batch.update(parts)
 
     def compute_old_log_prob(self, batch: Batch) -> dict[str, float]:
-        out = ray.get(self.actor.compute_log_prob.remote(batch.select(ACTOR_INPUTS, [], [])))
+        out = self.old_log_prob(batch.select(ACTOR_INPUTS, [], []))
         batch.batch["old_log_probs"] = out.batch["old_log_probs"]
         mask = batch.batch["response_mask"]
         metrics = {"actor/entropy": agg_loss(out.batch["entropys"], mask, self.settings.actor.loss_agg_mode).item()}
@@ -76,6 +76,12 @@ class Phases:
             metrics["training/rollout_probs_diff_max"] = diff.max().item()
             metrics["training/rollout_probs_diff_mean"] = diff.mean().item()
         return metrics
+
+    @SkipManager.annotate(role="old_log_prob")
+    def old_log_prob(self, inputs: Batch) -> Batch:
+        """``old_log_probs`` and ``entropys`` under the weights about to be updated: skip's
+        ``old_log_prob`` role replays them on its steps (exact when every earlier step was)."""
+        return ray.get(self.actor.compute_log_prob.remote(inputs))
 
     def importance_weights(self, batch: Batch) -> dict[str, float]:
         """Per-token weights old / rollout (a sequence's product, with ``rollout_is=sequence``),
@@ -96,7 +102,10 @@ class Phases:
         role replays them on its steps (exact: same reference weights, same inputs)."""
         return ray.get(self.actor.compute_ref_log_prob.remote(inputs))
 
+    @SkipManager.annotate(role="values")
     def compute_values(self, inputs: Batch) -> Batch:
+        """The critic's ``values``: skip's ``values`` role replays them on its steps (exact when
+        every earlier step was, so the critic holds the same weights)."""
         return ray.get(self.critic.compute_values.remote(inputs))
 
     def compute_advantage(self, batch: Batch) -> dict[str, float]:
