@@ -132,11 +132,21 @@ class LoopConfig(RolloutConfig):
         return min(self.max_model_len or total, total)
 
 
+class OverlongBuffer(_Section):
+    """DAPO's overlong reward shaping: a response longer than ``data.max_response_length - len``
+    tokens loses ``penalty_factor`` x its excess / ``len`` (at most ``penalty_factor``, at the cap)."""
+
+    enable: bool = False
+    len: PositiveInt = 4096
+    penalty_factor: NonNegativeFloat = 1.0
+
+
 class RewardConfig(_Section):
     """``reward``: which function scores responses; ``tool_rewards`` adds the tools' own rewards."""
 
     function: str = "task"
     tool_rewards: bool = True
+    overlong_buffer: OverlongBuffer = OverlongBuffer()
 
 
 class Optim(_Section):
@@ -383,6 +393,12 @@ class RunSettings(RolloutSettings):
             raise ConfigError(
                 f"resources.rollout.workers: {workers} workers cannot split "
                 f"data.train_batch_size={batch} prompts evenly"
+            )
+        buffer = self.reward.overlong_buffer
+        if buffer.enable and buffer.len >= self.data.max_response_length:
+            raise ConfigError(
+                f"reward.overlong_buffer.len: {buffer.len} tokens leave no unpenalized length below "
+                f"data.max_response_length={self.data.max_response_length}"
             )
         correction = self.algorithm.rollout_correction
         if correction.rollout_is and correction.bypass_mode:

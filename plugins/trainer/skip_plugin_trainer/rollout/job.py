@@ -79,7 +79,7 @@ def task_score(batch: Batch, prompts: Batch, tokenizer: Any, settings: RolloutSe
         return None
     from skip_plugin_trainer.train.reward import Rewarder
 
-    rewarder = Rewarder(settings.reward, tokenizer)
+    rewarder = Rewarder(settings.reward, tokenizer, settings.data.max_response_length)
     n = len(batch) // len(prompts)
     keys = ["data_source", "ground_truth", "extra_info"]
     scored = Batch(batch.batch, {k: prompts.non_tensor_batch[k].repeat(n) for k in keys})

@@ -90,6 +90,10 @@ def data_metrics(batch: Batch) -> dict[str, float]:
     }
     if "num_turns" in batch.non_tensor_batch:
         metrics.update(_stats("num_turns", np.asarray(batch.non_tensor_batch["num_turns"], dtype=np.float64)))
+    if "overlong_reward" in batch.non_tensor_batch:  # reward.overlong_buffer (DAPO)
+        overlong = np.asarray(batch.non_tensor_batch["overlong_reward"], dtype=np.float64)
+        metrics["reward/overlong_reward/mean"] = float(overlong.mean())
+        metrics["reward/overlong_ratio"] = float((overlong < 0).mean())
     return metrics
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from skip_core.config import ConfigError, lookup
 
-from skip_plugin_trainer.settings import RewardConfig
+from skip_plugin_trainer.settings import OverlongBuffer, RewardConfig
 
 if TYPE_CHECKING:
     import torch
@@ -42,12 +42,13 @@ def _tasks_by_source() -> dict[str, Any]:
 class Rewarder:
     """Scores rollouts with the configured function; checked against the data before step 1."""
 
-    def __init__(self, config: RewardConfig, tokenizer: Any) -> None:
+    def __init__(self, config: RewardConfig, tokenizer: Any, max_response_length: int) -> None:
         from skip_core.plugins import registry
 
         self.fn: RewardFn = lookup("reward.function", "reward function", config.function, registry().rewards)
         self.config = config
         self.tokenizer = tokenizer
+        self.max_response_length = max_response_length
 
     def check_sources(self, sources: set[str], key: str) -> None:
         """Fail before training when ``reward.function=task`` cannot score some rows."""
@@ -75,7 +76,20 @@ class Rewarder:
         if self.config.tool_rewards and "reward_scores" in extras:
             tools = np.array([sum(float(v) for v in (r or {}).values()) for r in extras["reward_scores"]])
         parts = {"score": scores, "tool_reward": tools}
-        return place_on_last_token(scores + tools, batch.batch["response_mask"]), parts
+        total = scores + tools
+        if self.config.overlong_buffer.enable:
+            width = batch.batch["responses"].shape[1]
+            lengths = batch.batch["attention_mask"][:, -width:].sum(-1).numpy()  # tool responses count, as in verl
+            parts["overlong_reward"] = overlong_rewards(lengths, self.max_response_length, self.config.overlong_buffer)
+            total = total + parts["overlong_reward"]
+        return place_on_last_token(total, batch.batch["response_mask"]), parts
+
+
+def overlong_rewards(lengths: np.ndarray, max_length: int, buffer: OverlongBuffer) -> np.ndarray:
+    """DAPO's soft overlong punishment: 0 up to ``max_length - buffer.len`` tokens, then falling
+    linearly to ``-buffer.penalty_factor`` at ``max_length``."""
+    excess = lengths - (max_length - buffer.len)
+    return np.minimum(-excess / buffer.len * buffer.penalty_factor, 0.0)
 
 
 def place_on_last_token(scores: np.ndarray, response_mask: torch.Tensor) -> torch.Tensor:

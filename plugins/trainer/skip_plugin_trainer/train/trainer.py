@@ -76,7 +76,7 @@ class Trainer:
         prepare_task(s)
         self.tokenizer = load_tokenizer(s)
         self.loader, self.val_set = self._data()
-        self.rewarder = Rewarder(s.reward, self.tokenizer)
+        self.rewarder = Rewarder(s.reward, self.tokenizer, s.data.max_response_length)
         self._check_sources()
         self.total_steps = s.trainer.total_training_steps or len(self.loader) * s.trainer.total_epochs
         self.train_batch_size, self.ppo_mini_batch_size = s.data.train_batch_size, s.actor.ppo_mini_batch_size
