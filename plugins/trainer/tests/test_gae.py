@@ -41,7 +41,7 @@ def test_a_resumed_run_continues_the_critic_it_saved(sync_rows, ray_session, tas
         assert resumed[-1][key] == pytest.approx(uninterrupted[-1][key], rel=1e-4, abs=1e-7), key
 
 
-ROLES = ("rollout", "old_log_prob", "values")
+ROLES = ("rollout", "reward", "old_log_prob", "values")
 
 
 def cached(cache) -> list[str]:
@@ -50,7 +50,7 @@ def cached(cache) -> list[str]:
 
 @pytest.mark.parametrize("estimator", ["gae", "grpo"])
 def test_a_run_with_every_role_cached_replays_the_first_runs_metrics(ray_session, task_dir, tmp_path, estimator):
-    """Rollouts, old log-probs and (gae) values from the cache: every loss and statistic of the
+    """Rollouts, rewards, old log-probs and (gae) values from the cache: every loss and statistic of the
     updates is the first run's, and the profile shows each role hit on each step."""
     cache, estimate = tmp_path / "cache", f"algorithm.adv_estimator={estimator}"
     first = gae_run(task_dir, tmp_path / "first", *cached(cache), estimate)
@@ -58,7 +58,7 @@ def test_a_run_with_every_role_cached_replays_the_first_runs_metrics(ray_session
     replayed = gae_run(task_dir, tmp_path / "replayed", *cached(cache), *profile, estimate)
     keys = [k for k in first[-1] if k.startswith(("critic/", "actor/", "response_length/")) and k != "actor/lr"]
     assert {"critic/advantages/mean", "actor/pg_loss", "actor/entropy"} <= set(keys)
-    roles = ROLES if estimator == "gae" else ROLES[:2]
+    roles = ROLES if estimator == "gae" else ROLES[:3]
     for a, b in zip(first, replayed, strict=True):
         for key in (k for k in keys if k in a):
             assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (a["step"], key)

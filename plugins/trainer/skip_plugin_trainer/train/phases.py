@@ -21,6 +21,8 @@ from skip_plugin_trainer.train.value import gae_advantages, value_metrics
 
 # What the policy worker reads; nothing else crosses to it.
 ACTOR_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+# What a reward function reads beside the tokens.
+REWARD_INPUTS = ("data_source", "ground_truth", "extra_info", "reward_scores")
 
 
 class Phases:
@@ -61,9 +63,17 @@ class Phases:
                 record.metrics.update(self.update_actor(batch))
 
     def compute_reward(self, batch: Batch) -> None:
-        scores, parts = self.rewarder(batch)
-        batch.batch["token_level_scores"] = scores
-        batch.non_tensor_batch.update(parts)
+        present = [key for key in REWARD_INPUTS if key in batch.non_tensor_batch]
+        out = self.reward(batch.select(ACTOR_INPUTS, present, []))
+        batch.batch["token_level_scores"] = out.batch["token_level_scores"]
+        batch.non_tensor_batch.update(out.non_tensor_batch)
+
+    @SkipManager.annotate(role="reward")
+    def reward(self, inputs: Batch) -> Batch:
+        """Token-level scores and their parts: skip's ``reward`` role replays them on its steps,
+        only for the very prompts and responses they scored (its fingerprint covers both)."""
+        scores, parts = self.rewarder(inputs)
+        return Batch({"token_level_scores": scores}, parts)
 
     def compute_old_log_prob(self, batch: Batch) -> dict[str, float]:
         out = self.old_log_prob(batch.select(ACTOR_INPUTS, [], []))
