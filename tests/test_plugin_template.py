@@ -41,9 +41,9 @@ def run(*command: str | Path, cwd: Path, site: Path | None = None) -> str:
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> tuple[Path, Path]:
-    """The template rendered as plugin ``reward``, and the site directory it is installed in."""
+    """The template rendered as plugin ``judge``, and the site directory it is installed in."""
     root = tmp_path_factory.mktemp("plugin")
-    project = render(root / "skip-plugin-reward", plugin_name="reward", author_name="Test Author")
+    project = render(root / "skip-plugin-judge", plugin_name="judge", author_name="Test Author")
     site = root / "site"
     pip = (sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check")
     run(*pip, "--no-deps", "--no-build-isolation", "--no-index", "--target", site, project, cwd=root)
@@ -68,7 +68,7 @@ def test_skip_plugins_lists_the_installed_role(installed):
     out = run(sys.executable, "-c", "from skip_core.cli import cli; cli()", "plugins", cwd=site.parent, site=site)
 
     rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in out.splitlines() if "│" in line]
-    assert ["skip-plugin-reward", "0.1.0", "reward", "role reward", "skip_register_roles"] in rows
+    assert ["skip-plugin-judge", "0.1.0", "judge", "role judge", "skip_register_roles"] in rows
 
 
 def test_rendered_plugin_passes_its_own_tests(installed):

@@ -54,6 +54,11 @@ _clock = _Clock()
 _scoped_step: contextvars.ContextVar[int | None] = contextvars.ContextVar("skip_step", default=None)
 
 
+# Which generation of the trainer step a call belongs to (``SkipManager.generation_scope``):
+# DAPO's dynamic sampling generates several batches in one step, each its own entry.
+_generation: contextvars.ContextVar[int] = contextvars.ContextVar("skip_generation", default=0)
+
+
 def _trainer_step() -> int | None:
     scoped = _scoped_step.get()
     return _clock.step if scoped is None else scoped
@@ -92,20 +97,20 @@ class _Slot:
             step = _trainer_step()
         if step is None or step not in self.steps:
             return None
-        return step, call
+        return step, call, self.store.generation(_generation.get())
 
-    def replace(self, plan: tuple[int, Call]) -> Any:
+    def replace(self, plan: tuple[int, Call, CacheStore]) -> Any:
         """The result of a replaced call, or ``_MISS`` to run the function."""
-        step, call = plan
+        step, call, store = plan
         hooks = pm.hook
         with spans.span("skip_lookup", role=self.name) as span:
-            hit = hooks.skip_precondition(role=self.role, config=self.config, store=self.store, step=step, call=call)
+            hit = hooks.skip_precondition(role=self.role, config=self.config, store=store, step=step, call=call)
             span.set(cache="miss" if hit is None else "hit")
         if hit is None:
             return _MISS
         try:
             with spans.span("skip_load", role=self.name, source_step=hit.step):
-                result = hooks.skip_warp(role=self.role, config=self.config, store=self.store, hit=hit, call=call)
+                result = hooks.skip_warp(role=self.role, config=self.config, store=store, hit=hit, call=call)
         except Exception as exc:
             warnings.warn(
                 f"skip.{self.name} step {step}: replacing the call from step {hit.step} failed ({exc!r}); "
@@ -116,11 +121,11 @@ class _Slot:
             return _MISS
         return _MISS if result is None else result
 
-    def dump(self, plan: tuple[int, Call], result: Any) -> None:
-        step, call = plan
-        kwargs = dict(role=self.role, config=self.config, store=self.store, step=step, call=call, result=result)
+    def dump(self, plan: tuple[int, Call, CacheStore], result: Any) -> None:
+        step, call, store = plan
+        kwargs = dict(role=self.role, config=self.config, store=store, step=step, call=call, result=result)
         # Announced before the call returns, so the next lookup of this entry waits for it.
-        write = self.store.expect(step)
+        write = store.expect(step)
         _dumps.submit(self.name, step, functools.partial(pm.hook.skip_dump, **kwargs), write)
 
 
@@ -210,6 +215,20 @@ class SkipManager:
             yield
         finally:
             _scoped_step.reset(token)
+
+    @classmethod
+    @contextlib.contextmanager
+    def generation_scope(cls, index: int) -> Iterator[None]:
+        """Calls in this context are the ``index``-th generation of their trainer step (0, the
+        first, is every step's): each is cached as its own entry and replayed in its place, as
+        DAPO's dynamic sampling needs when it generates more batches to fill one step."""
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise TypeError(f"SkipManager.generation_scope: expected an int >= 0, got {index!r}")
+        token = _generation.set(index)
+        try:
+            yield
+        finally:
+            _generation.reset(token)
 
     @classmethod
     def annotate(cls, role: str, **_: Any) -> Callable[[F], F]:

@@ -8,6 +8,7 @@ Layout (verl's for role ``rollout``, so verl configs work unchanged; any other r
                                and the size and xxh3-128 hash of every data file
         tensors.safetensors    Batch.batch
         data.json              Batch.non_tensor_batch and meta_info
+    .../GBS.../generation_{k}/{step}/   the k-th extra generation of a step (DAPO), same files
 
 A step directory is written beside its final place (``.tmp-*``), fsynced, and renamed into
 place, so it is complete or absent. Readers verify it before use; anything wrong is a
@@ -16,6 +17,7 @@ warning and a miss, never an exception in the training step.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import mmap
@@ -151,6 +153,15 @@ class CacheStore:
 
     def path(self, step: int) -> Path:
         return self.directory / str(int(step))
+
+    def generation(self, index: int) -> CacheStore:
+        """The store of the ``index``-th generation of each step (``SkipManager.generation_scope``):
+        the first keeps verl's layout; the others nest in ``generation_<index>/`` beside the steps."""
+        if index == 0:
+            return self
+        other = copy.copy(self)
+        other.directory = self.directory / f"generation_{int(index)}"
+        return other
 
     def check_writable(self) -> None:
         """Create the namespace directory and prove a file can be written there."""

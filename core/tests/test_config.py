@@ -69,8 +69,8 @@ def test_enabled_role_without_its_plugin_names_the_distribution(tmp_path, monkey
 
 
 def test_unknown_enabled_role_lists_installed_roles(tmp_path):
-    with pytest.raises(ConfigError, match=r"no installed plugin provides role 'reward' \(installed roles: .*rollout"):
-        SkipManager.init(run_config(tmp_path, role="reward"))
+    with pytest.raises(ConfigError, match=r"no installed plugin provides role 'judge' \(installed roles: .*rollout"):
+        SkipManager.init(run_config(tmp_path, role="judge"))
 
 
 def test_hydra_target_markers_of_verl_configs_are_ignored(tmp_path):
@@ -83,7 +83,7 @@ def test_hydra_target_markers_of_verl_configs_are_ignored(tmp_path):
 
 def test_unknown_disabled_role_is_ignored(tmp_path):
     rollout = run_config(tmp_path)["skip"]["rollout"]
-    SkipManager.init({"skip": {"reward": {"enable": False, "whatever": 1}, "rollout": rollout}})
+    SkipManager.init({"skip": {"judge": {"enable": False, "whatever": 1}, "rollout": rollout}})
     assert list(SkipManager.stores()) == ["rollout"]
 
 

@@ -417,3 +417,31 @@ def test_stores_gives_the_store_of_each_enabled_role(tmp_path):
 
     SkipManager.init(run_config(tmp_path, enable=False))
     assert SkipManager.stores() == {}
+
+
+def test_each_generation_of_a_step_is_its_own_entry_replayed_in_its_place(tmp_path, generator):
+    """DAPO generates several batches in one step: entry 0 keeps verl's layout, the others nest."""
+    SkipManager.init(run_config(tmp_path, steps=[1]))
+    SkipManager.set_step(1)
+
+    def generations():
+        outputs = []
+        for index in range(3):
+            with SkipManager.generation_scope(index):
+                outputs.append(generator.generate_sequences(make_prompts(seed=10 + index)))
+        SkipManager.flush()
+        return outputs
+
+    first = generations()
+    assert generator.calls == 3 and steps_on_disk(tmp_path) == [1]
+    nested = sorted(p.relative_to(tmp_path).parts[-2:] for p in tmp_path.rglob("generation_*/1"))
+    assert nested == [("generation_1", "1"), ("generation_2", "1")]
+    again = generations()
+    assert generator.calls == 3  # every generation from its own entry
+    assert all(a.equals(b) for a, b in zip(again, first, strict=True))
+    assert not first[1].equals(first[2])
+
+
+def test_generation_scope_rejects_what_is_not_an_index():
+    with pytest.raises(TypeError, match="expected an int >= 0"), SkipManager.generation_scope(-1):
+        pass
