@@ -209,6 +209,17 @@ class RolloutCorrection(_Section):
     rollout_is_threshold: PositiveFloat = 2.0
 
 
+class FilterGroups(_Section):
+    """``algorithm.filter_groups``: DAPO's dynamic sampling. Groups whose ``metric`` is the same
+    for every sample are dropped and more prompts generated until the batch is full, at most
+    ``max_num_gen_batches`` generations a step (0: no limit). ``acc`` (verl's name) and
+    ``score`` read the reward function's score, ``seq_reward`` the whole reward."""
+
+    enable: bool = False
+    metric: Literal["acc", "score", "seq_reward"] = "acc"
+    max_num_gen_batches: NonNegativeInt = 0
+
+
 class AlgorithmConfig(_Section):
     """``algorithm``: the advantage estimator (``gae`` trains a critic) and the optional KL
     penalty in the reward; ``gamma`` and ``lam`` are GAE's discount and trace decay."""
@@ -220,6 +231,7 @@ class AlgorithmConfig(_Section):
     use_kl_in_reward: bool = False
     kl_penalty: KlType = "kl"
     kl_coef: NonNegativeFloat = 0.001
+    filter_groups: FilterGroups = FilterGroups()
     rollout_correction: RolloutCorrection = RolloutCorrection()
 
 
@@ -371,7 +383,7 @@ class RunSettings(RolloutSettings):
             "model.path": str(Path(self.model.path or "").expanduser().absolute()),
         }
         unused = set() if self.use_critic else {"lam"}  # GAE's alone: older GRPO checkpoints lack it
-        algorithm = self.algorithm.model_dump(mode="json", exclude={"rollout_correction", *unused})
+        algorithm = self.algorithm.model_dump(mode="json", exclude={"rollout_correction", "filter_groups", *unused})
         return {**fixed, **{f"algorithm.{key}": value for key, value in algorithm.items()}}
 
     def check_sizes(self) -> None:

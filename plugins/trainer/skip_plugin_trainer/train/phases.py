@@ -37,8 +37,9 @@ class Phases:
         self.bypass = settings.bypass_mode(overlapped)
 
     def train(self, batch: Batch, record: StepRecord) -> None:
-        with record.timed("reward"):
-            self.compute_reward(batch)
+        if "token_level_scores" not in batch.batch:  # dynamic sampling scored it already
+            with record.timed("reward"):
+                self.compute_reward(batch)
         if self.bypass:
             batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
         else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, wait
@@ -35,6 +36,7 @@ from skip_plugin_trainer.data import PromptLoader, RLDataset, collate
 from skip_plugin_trainer.rollout.parts import RolloutParts, load_tokenizer, prepare_task, prompt_loader
 from skip_plugin_trainer.settings import RunSettings
 from skip_plugin_trainer.train.checkpoint import Checkpoint, CheckpointManager, capture_rng, restore_rng
+from skip_plugin_trainer.train.dynamic_sampling import fill
 from skip_plugin_trainer.train.metrics import (
     Tracking,
     check_backends,
@@ -95,6 +97,7 @@ class Trainer:
         self._loader_states: dict[int, dict | None] = {}
         self._resumed_schedule_state: dict | None = None
         self._engine_counts: dict[str, float] = {}
+        self._loader_lock = threading.Lock()
         spans.configure(s.sections, worker=-1)
 
     @property
@@ -205,35 +208,37 @@ class Trainer:
 
     def prompts(self) -> Batch:
         """The step's prompts: reading, chat templates and tokenization happen here (``data`` span)."""
-        before = self.loader.state_dict()
-        with spans.span("trainer/data"):
+        with self._loader_lock, spans.span("trainer/data"):  # fully_async's feeder draws too
+            before = self.loader.state_dict()
             batch = next(self.loader)
+            after = self.loader.state_dict()
         # A checkpoint records the loader where the batch it trained was drawn, not further on:
         # an overlapped schedule has drawn the next batch already, which a resumed run must see.
-        batch.meta_info.update(loader_state=self.loader.state_dict(), loader_state_before=before, epoch=before["epoch"])
+        batch.meta_info.update(loader_state=after, loader_state_before=before, epoch=before["epoch"])
         return batch
 
-    def generate(self, prompts: Batch, step: int, sample_id: str | None = None) -> Future:
+    def generate(self, prompts: Batch, step: int, sample_id: str | None = None, generation: int = 0) -> Future:
         """Roll out in the background; the result is the prompts joined with their samples
         (verl's pop, repeat, union). Skip roles see ``step`` as the call's trainer step; with
-        ``sample_id`` (``sample_{epoch}_{index}``) it is one streamed prompt (``async_rollout``)."""
+        ``sample_id`` (``sample_{epoch}_{index}``) it is one streamed prompt (``async_rollout``);
+        ``generation`` numbers a step's extra generations (dynamic sampling)."""
         state = prompts.meta_info.pop("loader_state", None)
         for key in ("loader_state_before", "epoch"):  # bookkeeping, not part of what is generated
             prompts.meta_info.pop(key, None)
-        if sample_id is None:
+        if sample_id is None and generation == 0:
             self._loader_states[step] = state
-        future = self._generations.submit(self._generate(prompts, step, sample_id))
+        future = self._generations.submit(self._generate(prompts, step, sample_id, generation))
         self._in_flight.add(future)
         future.add_done_callback(self._in_flight.discard)
         return future
 
-    async def _generate(self, batch: Batch, step: int, sample_id: str | None) -> Batch:
+    async def _generate(self, batch: Batch, step: int, sample_id: str | None, generation: int) -> Batch:
         start = time.perf_counter()
         base = int(batch.meta_info.get("index_base", 0))  # a streamed row is seeded as in its whole batch
         gen_batch = batch.pop(GEN_TENSORS, [k for k in GEN_NON_TENSORS if k in batch.non_tensor_batch])
         gen_batch.meta_info.update(global_steps=step, index_base=base)
         if sample_id is None:
-            with SkipManager.step_scope(step):
+            with SkipManager.step_scope(step), SkipManager.generation_scope(generation):
                 output = await asyncio.to_thread(self.rollout.generate_sequences, gen_batch)
         else:
             output = await self.rollout.generate_sequences_single(gen_batch, sample_id)
@@ -243,6 +248,10 @@ class Trainer:
         return batch
 
     def train(self, batch: Batch, record: StepRecord) -> None:
+        if self.settings.algorithm.filter_groups.enable:
+            with record.timed("filter_groups"):  # the extra generations and the rewards they need
+                batch, metrics = self._filter_groups(batch, record.step)
+            record.metrics.update(metrics)
         record.batch = batch
         # How many updates the weights that generated each sample lag behind the ones it trains.
         stale = self._actor_version - batch.non_tensor_batch["min_weight_version"]
@@ -250,6 +259,28 @@ class Trainer:
         record.metrics["training/staleness_max"] = float(stale.max())
         self.phases.train(batch, record)
         self._actor_version = record.step
+
+    def _filter_groups(self, batch: Batch, step: int) -> tuple[Batch, dict[str, float]]:
+        """DAPO's dynamic sampling; an extra generation draws the next prompts and is seeded
+        (and its groups named) after the step's earlier generations."""
+
+        def generate(index: int) -> Batch:
+            prompts = self.prompts()
+            prompts.meta_info.update(index_base=index * self.train_batch_size)
+            batch = self.generate(prompts, step, generation=index).result()
+            if step in self._loader_states:  # sync: the step's checkpoint resumes after these prompts
+                self._loader_states[step] = self.loader.state_dict()
+            return batch
+
+        return fill(
+            batch,
+            self.settings.algorithm.filter_groups,
+            prompts_wanted=self.train_batch_size,
+            samples_per_prompt=self.settings.rollout.n,
+            score=self.phases.compute_reward,
+            generate=generate,
+            step=step,
+        )
 
     def sync_weights(self, interrupt: bool = False) -> None:
         if not interrupt and any(not future.done() for future in self._in_flight):
