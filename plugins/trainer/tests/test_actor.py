@@ -4,7 +4,7 @@ import pytest
 import torch
 from batches import ROWS, padded_batch
 from skip_core.batch import Batch
-from skip_plugin_trainer.settings import ActorConfig, Optim
+from skip_plugin_trainer.algorithm_settings import ActorConfig, Optim
 from skip_plugin_trainer.train.policy import Policy
 
 

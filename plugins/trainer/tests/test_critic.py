@@ -3,7 +3,7 @@
 import pytest
 import torch
 from batches import ROWS, padded_batch
-from skip_plugin_trainer.settings import CriticConfig, Optim
+from skip_plugin_trainer.algorithm_settings import CriticConfig, Optim
 from skip_plugin_trainer.train.algorithm import masked_whiten
 from skip_plugin_trainer.train.critic import Critic
 from skip_plugin_trainer.train.value import gae_advantages, value_loss, value_metrics

@@ -5,7 +5,7 @@ import pytest
 import torch
 from skip_core.batch import Batch
 from skip_core.config import ConfigError
-from skip_plugin_trainer.settings import OverlongBuffer, RewardConfig
+from skip_plugin_trainer.algorithm_settings import OverlongBuffer, RewardConfig
 from skip_plugin_trainer.train.reward import Rewarder, overlong_rewards, place_on_last_token, score_by_task
 
 

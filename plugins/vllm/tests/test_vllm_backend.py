@@ -23,9 +23,10 @@ from skip_core.sections import Sections, parse_sections
 from skip_plugin_arithmetic.calculator import Calculator
 from skip_plugin_arithmetic.task import problems, prompt
 from skip_plugin_hf.config import HFConfig
+from skip_plugin_trainer.algorithm_settings import ActorConfig
 from skip_plugin_trainer.rollout.agent_loop import AgentLoop, RolloutError
 from skip_plugin_trainer.rollout.tools import HermesParser
-from skip_plugin_trainer.settings import ActorConfig, LoopConfig, MultiTurn
+from skip_plugin_trainer.settings import LoopConfig, MultiTurn
 from skip_plugin_trainer.train.policy import Policy
 from skip_plugin_vllm.options import VLLMOptions
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from skip_core.batch import Batch
 
-from skip_plugin_trainer.settings import CriticConfig
+from skip_plugin_trainer.algorithm_settings import CriticConfig
 from skip_plugin_trainer.train.algorithm import masked_mean
 from skip_plugin_trainer.train.policy import micro_batches, pad_right, response_outputs
 from skip_plugin_trainer.train.value import value_loss

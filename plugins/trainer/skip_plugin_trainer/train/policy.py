@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from skip_core.batch import Batch
 
-from skip_plugin_trainer.settings import ActorConfig
+from skip_plugin_trainer.algorithm_settings import ActorConfig
 from skip_plugin_trainer.train.algorithm import (
     agg_loss,
     entropy_from_logits,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from skip_core.config import ConfigError, lookup
 
-from skip_plugin_trainer.settings import OverlongBuffer, RewardConfig
+from skip_plugin_trainer.algorithm_settings import OverlongBuffer, RewardConfig
 
 if TYPE_CHECKING:
     import torch
