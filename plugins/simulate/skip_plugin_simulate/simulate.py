@@ -27,10 +27,16 @@ class Summary:
     samples_per_s: float
     trainer_idle: float
     rollout_busy: float
-    staleness_mean: float
-    staleness_max: float
     staleness: dict[int, float]  # updates behind -> share of the trained samples
     partial_ratio: float
+
+    @property
+    def staleness_mean(self) -> float:
+        return sum(k * share for k, share in self.staleness.items())
+
+    @property
+    def staleness_max(self) -> int:
+        return max(self.staleness, default=0)
 
 
 @dataclass(frozen=True)
@@ -119,8 +125,6 @@ def summarize(schedule: str, timeline: Timeline) -> Summary:
         samples_per_s=samples / wall if wall else 0.0,
         trainer_idle=mean("trainer/idle_ratio"),
         rollout_busy=mean("rollout/busy_ratio"),
-        staleness_mean=sum(k * n for k, n in timeline.staleness.items()) / samples if samples else 0.0,
-        staleness_max=max(timeline.staleness, default=0),
         staleness={k: n / samples for k, n in sorted(timeline.staleness.items())},
         partial_ratio=sum(row["partial_samples"] for row in rows) / samples if samples else 0.0,
     )
@@ -143,10 +147,16 @@ def simulate_all(
 ) -> tuple[Simulation, dict[str, Timeline]]:
     """Each schedule on one ``scenario``; every schedule sees the same samples."""
     sim, sections = load(scenario(base, overrides, measured))
+    return sim, _simulate_each(sim, sections, schedules, measured)
+
+
+def _simulate_each(
+    sim: Simulation, sections: Sections, schedules: list[str], measured: Measured | None
+) -> dict[str, Timeline]:
     groups, val_groups = (measured.groups, measured.val_groups) if measured else (None, None)
     workload = Workload(sim.requests, sim.trainer.seed, groups)
     val_workload = Workload(sim.requests, sim.trainer.seed + VALIDATION_SEED, val_groups)
-    return sim, {name: simulate(sim, name, sections, workload, val_workload) for name in schedules}
+    return {name: simulate(sim, name, sections, workload, val_workload) for name in schedules}
 
 
 def split_sweep(sim: Simulation, shares: str) -> str | None:
@@ -183,5 +193,5 @@ def simulate_point(
     sim, sections = load(scenario(base, [*overrides, *point], measured))
     same_anywhere = {s for s in schedules if sim.cluster.colocated and not overlapped(s, sections)}
     here = [s for s in schedules if first_split is None or first_split in point or s not in same_anywhere]
-    _, timelines = simulate_all(base, [*overrides, *point], here, measured)
+    timelines = _simulate_each(sim, sections, here, measured)
     return [Result(summarize(name, timeline), point, timeline) for name, timeline in timelines.items()]
