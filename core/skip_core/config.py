@@ -11,9 +11,9 @@ import difflib
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar, get_args
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator
 
 # What this repository's plugin distributions provide, and where each lives in it: an error
 # about a missing role, backend or config section names the distribution and how to install it from
@@ -22,6 +22,9 @@ SHIPPED = {
     ("role", "rollout"): "plugins/rollout",
     ("role", "async_rollout"): "plugins/async_rollout",
     ("role", "ref_log_prob"): "plugins/ref_log_prob",
+    ("role", "reward"): "plugins/reward",
+    ("role", "old_log_prob"): "plugins/old_log_prob",
+    ("role", "values"): "plugins/values",
     ("backend", "hf"): "plugins/hf",
     ("backend", "vllm"): "plugins/vllm",
     ("backend", "sglang"): "plugins/sglang",
@@ -33,6 +36,7 @@ SHIPPED = {
     ("command", "rollout"): "plugins/trainer",
     ("command", "profile"): "plugins/profiling",
     ("command", "cache import-verl"): "plugins/verl",
+    ("command", "simulate"): "plugins/simulate",
     ("section", "profiling"): "plugins/profiling",
     ("section", "async_training"): "plugins/fully_async",
     ("section", "rollout.hf"): "plugins/hf",
@@ -59,6 +63,29 @@ class ConfigError(ValueError):
     """Bad configuration; the message names the full key and what is allowed."""
 
 
+def expand_steps(value: Any) -> Any:
+    """Steps as a list: ``3``, ``"1..20"`` (both ends included) or a list of either, so a run of
+    hundreds of steps need not list each one. Anything else is left for pydantic to reject."""
+    items = value if isinstance(value, (list, tuple)) else [value]
+    steps: list[Any] = []
+    for item in items:
+        if not (isinstance(item, str) and ".." in item):
+            steps.append(item)
+            continue
+        bounds = item.split("..")
+        if len(bounds) != 2 or not all(b.strip().isdigit() for b in bounds):
+            raise ValueError(f"{item!r} is not a range of steps like 1..20")
+        first, last = (int(b) for b in bounds)
+        if first > last:
+            raise ValueError(f"the range {item!r} is empty: write the smaller step first")
+        steps.extend(range(first, last + 1))
+    return steps
+
+
+#: Trainer steps, written as ``expand_steps`` reads them.
+Steps = Annotated[list[NonNegativeInt], BeforeValidator(expand_steps)]
+
+
 class RoleConfig(BaseModel):
     """``skip.<role>``: shared by every cache role."""
 
@@ -66,7 +93,7 @@ class RoleConfig(BaseModel):
 
     enable: bool = False
     dump_dir: str = "~/.cache/skip"
-    steps: list[NonNegativeInt] = Field(default_factory=list)
+    steps: Steps = Field(default_factory=list)
     action: Literal["cache", "repeat"] = "cache"
     # A cache hit whose recorded inputs differ from this call's inputs (see
     # ``skip_core.encoding.fingerprint``): load anyway with a warning, run the function

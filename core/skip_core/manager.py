@@ -99,6 +99,23 @@ class _Slot:
             return None
         return step, call, self.store.generation(_generation.get())
 
+    def would_replace(self, step: int, prompts: Any, generation: int) -> bool:
+        """Whether a call at ``step`` with ``prompts`` would be replaced: the lookup the call will
+        make (entry present, verified, inputs matching), without loading. Quiet: a warning or an
+        error it would give belongs to the call, when it comes."""
+        if not self.enabled or (not self.online and step not in self.steps):
+            return False
+        store = self.store.generation(generation)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                hit = pm.hook.skip_precondition(
+                    role=self.role, config=self.config, store=store, step=step, call=Call(None, (prompts,), {})
+                )
+            except Exception:  # e.g. on_prompt_mismatch=error: the call will raise it in its step
+                return False
+        return hit is not None
+
     def replace(self, plan: tuple[int, Call, CacheStore]) -> Any:
         """The result of a replaced call, or ``_MISS`` to run the function."""
         step, call, store = plan
@@ -243,6 +260,12 @@ class SkipManager:
             return functools.wraps(fn)(_sync_wrapper(slot, fn, signature, position))
 
         return decorate
+
+    @classmethod
+    def would_replace(cls, role: str, step: int, prompts: Any, generation: int = 0) -> bool:
+        """Whether a call of ``role`` at trainer (or online) step ``step`` with ``prompts`` would
+        come from the cache: a trainer can tell ahead which work it will not have to do."""
+        return _slot(role).would_replace(step, prompts, generation)
 
     @classmethod
     def stores(cls) -> dict[str, CacheStore]:

@@ -103,6 +103,9 @@ class Schedule(ABC):
     #: defaults to using their rollout log-probs as PPO's old log-probs) and the rollout and
     #: actor workers run at the same time (each gets only its own pool's CPUs).
     overlapped: bool = False
+    #: Whether it generates prompt by prompt (``Run.generate`` with a ``sample_id``, skip's
+    #: ``async_rollout`` role) rather than a batch per step (the ``rollout`` role).
+    streams: bool = False
 
     @abstractmethod
     def fit(self, run: Run) -> None:

@@ -36,6 +36,7 @@ class AsyncTraining(BaseModel):
 
 class FullyAsync(Schedule):
     overlapped = True
+    streams = True
 
     def __init__(self, settings: AsyncTraining) -> None:
         self.settings = settings

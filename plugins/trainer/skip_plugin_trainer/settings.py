@@ -26,10 +26,12 @@ from pydantic import (
     StrictBool,
     StrictInt,
     StrictStr,
+    TypeAdapter,
+    ValidationError,
     field_validator,
     model_validator,
 )
-from skip_core.config import ConfigError, Namespace, lookup, parse_section, select
+from skip_core.config import ConfigError, Namespace, Steps, lookup, parse_section, select, to_container
 from skip_core.sections import Sections, parse_sections
 
 from skip_plugin_trainer.algorithm_settings import (
@@ -211,6 +213,7 @@ class RolloutSettings:
     reward: RewardConfig
     namespace: Namespace
     output_dir: str | None = None
+    steps: tuple[int, ...] = (1,)  # the steps of ``skip run`` that ``skip rollout`` generates
 
     @classmethod
     def from_config(cls, config: Any) -> RolloutSettings:
@@ -341,7 +344,23 @@ def _rollout_fields(config: Any) -> dict[str, Any]:
         "reward": sections[RewardConfig],
         "namespace": Namespace.from_config(config),
         "output_dir": select(config, "output_dir"),
+        "steps": _job_steps(select(config, "steps")),
     }
+
+
+def _job_steps(raw: Any) -> tuple[int, ...]:
+    """``steps``: which steps of ``skip run`` ``skip rollout`` generates, in order, each once."""
+    if raw is None:
+        return (1,)
+    try:
+        steps = TypeAdapter(Steps).validate_python(to_container(raw))
+    except (ValidationError, ValueError) as exc:
+        raise ConfigError(
+            f"steps: expected a step, a range like 1..20 or a list of them, got {raw!r} ({exc})"
+        ) from None
+    if not steps or min(steps) < 1:
+        raise ConfigError(f"steps: expected steps of skip run, which start at 1, got {raw!r}")
+    return tuple(sorted(set(steps)))
 
 
 def _task(section: TaskConfig, tasks: dict[str, Any]) -> TaskConfig:

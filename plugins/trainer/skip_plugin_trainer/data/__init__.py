@@ -2,6 +2,6 @@
 (``dataset``), and batched as a resumable stream (``loader``)."""
 
 from skip_plugin_trainer.data.dataset import RLDataset, truncate
-from skip_plugin_trainer.data.loader import PromptLoader, collate
+from skip_plugin_trainer.data.loader import PromptLoader, collate, generation_inputs
 
-__all__ = ["PromptLoader", "RLDataset", "collate", "truncate"]
+__all__ = ["PromptLoader", "RLDataset", "collate", "generation_inputs", "truncate"]

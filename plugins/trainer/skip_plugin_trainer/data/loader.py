@@ -17,6 +17,16 @@ from skip_core.config import ConfigError
 
 from skip_plugin_trainer.data.dataset import RLDataset
 
+# What the rollout workers need of a prompt batch; the rest stays with the trainer.
+GEN_TENSORS = ("input_ids", "attention_mask", "position_ids")
+GEN_NON_TENSORS = ("raw_prompt_ids", "raw_prompt", "tools_kwargs")
+
+
+def generation_inputs(prompts: Batch) -> Batch:
+    """Pop what generating needs out of a prompt batch (verl's ``pop``). Every generation goes
+    through here, so a skip entry's input fingerprint is the same whoever wrote it."""
+    return prompts.pop(GEN_TENSORS, [k for k in GEN_NON_TENSORS if k in prompts.non_tensor_batch])
+
 
 def collate(items: Sequence[Mapping[str, Any]]) -> Batch:
     """Stack the tensors of dataset items; every other value becomes one entry of a 1-d object array."""
@@ -94,6 +104,11 @@ class PromptLoader:
         if self._position == len(self):
             self._epoch, self._position = self._epoch + 1, 0
         return batch
+
+    def seek(self, index: int) -> None:
+        """Go to the ``index``-th batch of the stream (0: epoch 0's first): what a run that draws
+        one batch per step trains at step ``index + 1``."""
+        self._epoch, self._position = divmod(index, len(self))
 
     def order(self, epoch: int) -> np.ndarray:
         """Dataset indices in the order epoch ``epoch`` visits them."""

@@ -32,7 +32,7 @@ from skip_core.loop_thread import LoopThread
 from skip_core.manager import SkipManager
 from skip_core.schedule import Schedule, StepRecord
 
-from skip_plugin_trainer.data import PromptLoader, RLDataset, collate
+from skip_plugin_trainer.data import PromptLoader, RLDataset, collate, generation_inputs
 from skip_plugin_trainer.rollout.parts import RolloutParts, load_tokenizer, prepare_task, prompt_loader
 from skip_plugin_trainer.settings import RunSettings
 from skip_plugin_trainer.train.checkpoint import Checkpoint, CheckpointManager, capture_rng, restore_rng
@@ -50,11 +50,8 @@ from skip_plugin_trainer.train.metrics import (
 from skip_plugin_trainer.train.phases import Phases
 from skip_plugin_trainer.train.resume import find_checkpoint, nothing_left, trainer_state
 from skip_plugin_trainer.train.reward import Rewarder
+from skip_plugin_trainer.train.train_only import plan_engines
 from skip_plugin_trainer.train.workers import Cluster
-
-# What the rollout workers need of a prompt batch; the rest stays with the trainer.
-GEN_TENSORS = ("input_ids", "attention_mask", "position_ids")
-GEN_NON_TENSORS = ("raw_prompt_ids", "raw_prompt", "tools_kwargs")
 
 
 class Trainer:
@@ -131,7 +128,10 @@ class Trainer:
     def start(self) -> None:
         """Join or start Ray, place the pools, load the model and restore the checkpoint, if any."""
         s = self.settings
-        self.cluster.start(s, self.schedule.overlapped)
+        plan = plan_engines(s, self.schedule, self.loader, self.resume_from, self.total_steps, self.val_set is not None)
+        if plan.line:
+            self.console.print(plan.line, soft_wrap=True)
+        self.cluster.start(s, self.schedule.overlapped, defer_rollout=plan.deferred)
         self.rollout, self.actor, self.critic = self.cluster.rollout, self.cluster.actor, self.cluster.critic
         self.phases = Phases(s, self.actor, self.rewarder, self.schedule.overlapped, self.critic)
         if self.resume_from is not None:
@@ -235,7 +235,7 @@ class Trainer:
     async def _generate(self, batch: Batch, step: int, sample_id: str | None, generation: int) -> Batch:
         start = time.perf_counter()
         base = int(batch.meta_info.get("index_base", 0))  # a streamed row is seeded as in its whole batch
-        gen_batch = batch.pop(GEN_TENSORS, [k for k in GEN_NON_TENSORS if k in batch.non_tensor_batch])
+        gen_batch = generation_inputs(batch)
         gen_batch.meta_info.update(global_steps=step, index_base=base)
         if sample_id is None:
             with SkipManager.step_scope(step), SkipManager.generation_scope(generation):
@@ -299,7 +299,7 @@ class Trainer:
     def validate(self, step: int = 0) -> dict[str, float]:
         """Greedy (``rollout.val_kwargs``) rollouts of the validation set; skip roles let them through."""
         batch = collate([self.val_set[i] for i in range(len(self.val_set))])
-        gen_batch = batch.pop(GEN_TENSORS, [k for k in GEN_NON_TENSORS if k in batch.non_tensor_batch])
+        gen_batch = generation_inputs(batch)
         gen_batch.meta_info.update(global_steps=step, validate=True)
         with spans.span("trainer/validate", step=step, phase="val"):
             output = self.rollout.generate_sequences(gen_batch)

@@ -7,10 +7,13 @@ assumes one machine: with ``RAY_ADDRESS`` set, the bundles land wherever the clu
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import os
+import threading
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -80,7 +83,9 @@ class Cluster:
         self.actor: Any = None
         self.critic: Any = None
 
-    def start(self, settings: RunSettings, overlapped: bool) -> None:
+    def start(self, settings: RunSettings, overlapped: bool, defer_rollout: bool = False) -> None:
+        """Place the pools and start the workers; with ``defer_rollout`` (train-only) the rollout
+        pool is placed (its resources held for later) but its workers start on first use."""
         resources = settings.resources
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
@@ -98,7 +103,10 @@ class Cluster:
         rollout, actor = self.pools
         threads = resources.threads(rollout.cpus, overlapped, together=resources.rollout.workers)
         # Many concurrent calls per worker: streamed samples each wait in one; the engine batches them.
-        workers = rollout.spawn(RolloutWorker, settings, threads, Pool.RANK, concurrency=STREAMED_PER_WORKER)
+        spawn = functools.partial(
+            rollout.spawn, RolloutWorker, settings, threads, Pool.RANK, concurrency=STREAMED_PER_WORKER
+        )
+        self.rollout = RolloutGroup(spawn, started=not defer_rollout)
         # The critic shares the policy's bundle, as verl colocates them: a step runs their phases in turn.
         share = 2 if settings.use_critic else 1
         threads = resources.threads(actor.cpus, overlapped)
@@ -120,7 +128,6 @@ class Cluster:
             )[-1:]
         # Both pools load their models side by side; the first step's timing is then the step's.
         ray.get([worker.__ray_ready__.remote() for pool in self.pools for worker in pool.actors])
-        self.rollout = RolloutGroup(workers)
 
     def close(self) -> None:
         """Let the rollout workers stop their engines and write their profiles, then free the pools."""
@@ -192,22 +199,45 @@ class RolloutGroup:
     """The driver's handle on the rollout workers, and the unit skip's ``rollout`` role wraps.
 
     A cache hit replaces the whole call, so no worker is asked for anything: ``calls`` counts
-    the batches that really reached the workers.
+    the batches that really reached the workers. Workers not ``started`` (train-only) are
+    spawned by the first call that reaches them, given the weights of the last sync first.
     """
 
-    def __init__(self, workers: Sequence[Any]) -> None:
-        self.workers = list(workers)
+    def __init__(self, spawn: Callable[[], list[Any]], started: bool = True) -> None:
+        self._spawn = spawn
+        self.workers: list[Any] = spawn() if started else []
         self.calls = 0
         self._turn = 0
+        self._lock = threading.Lock()
+        self._weights: tuple[Any, int] | None = None  # synced while the workers were not started
+
+    def _started(self, prompts: Batch) -> list[Any]:
+        with self._lock:
+            if self.workers:
+                return self.workers
+            step = prompts.meta_info.get("global_steps")
+            what = "validation" if prompts.meta_info.get("validate") else f"the generation of step {step}"
+            warnings.warn(
+                f"starting the rollout engines: {what} is not in the skip cache", RuntimeWarning, stacklevel=3
+            )
+            with spans.span("engine_start"):
+                workers = self._spawn()
+                ray.get([worker.__ray_ready__.remote() for worker in workers])
+                if self._weights is not None:
+                    state_dict, version = self._weights
+                    ray.get([worker.update_weights.remote(state_dict, version, False) for worker in workers])
+            self.workers, self._weights = workers, None
+            return workers
 
     @SkipManager.annotate(role="rollout")
     def generate_sequences(self, prompts: Batch) -> Batch:
         """Split the prompts evenly across workers, generate concurrently, and rejoin in order."""
         self.calls += 1
-        parts = prompts.chunk(len(self.workers))
+        workers = self._started(prompts)
+        parts = prompts.chunk(len(workers))
         futures = []
         base = int(prompts.meta_info.get("index_base", 0))
-        for rank, (worker, part) in enumerate(zip(self.workers, parts, strict=True)):
+        for rank, (worker, part) in enumerate(zip(workers, parts, strict=True)):
             part.meta_info = {**prompts.meta_info, "index_base": base + rank * len(part)}
             futures.append(worker.generate_sequences.remote(part))
         outputs = self._gather(futures)
@@ -221,7 +251,8 @@ class RolloutGroup:
         """One streamed prompt (``sample_{epoch}_{index}``), on the workers in turn: the unit skip's
         ``async_rollout`` role wraps. Workers take many at once; their engines batch them."""
         self.calls += 1
-        worker = self.workers[self._turn % len(self.workers)]
+        workers = await asyncio.to_thread(self._started, prompts)
+        worker = workers[self._turn % len(workers)]
         self._turn += 1
         return await worker.generate_sequences.remote(prompts)
 
@@ -240,7 +271,12 @@ class RolloutGroup:
 
     def update_weights(self, state_dict: Any, version: int, interrupt: bool = False) -> None:
         """Push the weights of step ``version`` (a Ray object ref is fetched once per worker, not
-        per call); ``interrupt`` pauses generations in flight instead of requiring none."""
+        per call); ``interrupt`` pauses generations in flight instead of requiring none. Before
+        the workers start, the weights are kept for them (a ref, the actor's copy in the object store)."""
+        with self._lock:
+            if not self.workers:
+                self._weights = (state_dict, version)
+                return
         with spans.span("weight_sync"):
             ray.get([worker.update_weights.remote(state_dict, version, interrupt) for worker in self.workers])
 
