@@ -64,21 +64,19 @@ class ConfigError(ValueError):
 
 
 def expand_steps(value: Any) -> Any:
-    """Steps as a list: ``3``, ``"1..20"`` (both ends included) or a list of either, so a run of
-    hundreds of steps need not list each one. Anything else is left for pydantic to reject."""
-    items = value if isinstance(value, (list, tuple)) else [value]
+    """``3``, ``"1..20"`` (both ends included) or a list of either, as a list of steps; anything
+    else is left for pydantic to reject."""
     steps: list[Any] = []
-    for item in items:
-        if not (isinstance(item, str) and ".." in item):
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+        first, dots, last = item.partition("..") if isinstance(item, str) else (item, "", "")
+        if not dots:
             steps.append(item)
-            continue
-        bounds = item.split("..")
-        if len(bounds) != 2 or not all(b.strip().isdigit() for b in bounds):
+        elif not (first.strip().isdigit() and last.strip().isdigit()):
             raise ValueError(f"{item!r} is not a range of steps like 1..20")
-        first, last = (int(b) for b in bounds)
-        if first > last:
+        elif int(first) > int(last):
             raise ValueError(f"the range {item!r} is empty: write the smaller step first")
-        steps.extend(range(first, last + 1))
+        else:
+            steps.extend(range(int(first), int(last) + 1))
     return steps
 
 

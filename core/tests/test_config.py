@@ -17,7 +17,8 @@ from skiptests import ROOT, run_config
     [
         ({"action": "cahce"}, "skip.rollout.action: expected 'cache' or 'repeat', got 'cahce'"),
         ({"enable": "yes please"}, "skip.rollout.enable: expected true or false, got 'yes please'"),
-        ({"steps": 3}, "skip.rollout.steps: expected a list of integers, got 3"),
+        ({"steps": "1..x"}, "skip.rollout.steps: '1..x' is not a range of steps like 1..20"),
+        ({"steps": "5..1"}, "skip.rollout.steps: the range '5..1' is empty: write the smaller step first"),
         ({"steps": [1, "two"]}, "skip.rollout.steps[1]: expected an integer, got 'two'"),
         ({"steps": [1, -2]}, "skip.rollout.steps[1]: expected an integer >= 0, got -2"),
         (
@@ -36,6 +37,14 @@ def test_bad_values_fail_init_with_one_line_naming_the_key(tmp_path, section, me
     with pytest.raises(ConfigError) as error:
         SkipManager.init(run_config(tmp_path, **section))
     assert str(error.value) == message
+
+
+@pytest.mark.parametrize(
+    ("steps", "expected"),
+    [(3, [3]), ("1..4", [1, 2, 3, 4]), (["1..3", 7], [1, 2, 3, 7]), ([2, 5], [2, 5]), ("6..6", [6])],
+)
+def test_steps_are_a_step_a_range_or_a_list_of_them(steps, expected):
+    assert parse_section(RoleConfig, "skip.rollout", {"steps": steps}).steps == expected
 
 
 def test_a_number_that_is_not_one_says_so():

@@ -91,12 +91,13 @@ def test_generation_overlaps_training(profiled):
 
 
 def test_a_cached_run_loads_every_batch_instead_of_generating(profiled, task_dir):
-    again, _ = train(task_dir, profiled.directory, *CACHED)
+    again, output = train(task_dir, profiled.directory, *CACHED)
     assert profiled.trainer.rollout.calls == 4 and again.rollout.calls == 0
     replayed = metrics(profiled.directory / "run")
     assert [row["critic/score/mean"] for row in replayed] == [row["critic/score/mean"] for row in profiled.rows]
-    # The engine's own counters: it decoded every token the batches hold, and nothing on replay.
-    assert all(row["rollout/engine/tokens"] == 0 and "rollout/engine/batch_rows_mean" not in row for row in replayed)
+    # Every batch cached and nothing to validate: train-only, so no engine started, nor counted work.
+    assert "train-only: every generation of steps 1-4" in output and again.rollout.workers == []
+    assert not any(key.startswith("rollout/engine/") for row in replayed for key in row)
 
 
 def test_each_step_logs_what_the_engine_did_meanwhile(profiled):

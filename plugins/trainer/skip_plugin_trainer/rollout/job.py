@@ -46,14 +46,15 @@ def run(config: Any, console: Console) -> Batch:
             before = loop.rollouts
             generated.append(_generate(loop, loader, step))
             _save(settings, step, generated[-1][1], console)
-            if len(settings.steps) > 1:
-                _progress(console, step, generated[-1][1], cached=loop.rollouts == before, model=settings.model.path)
+            _progress(console, step, generated[-1][1], cached=loop.rollouts == before, model=settings.model.path)
     finally:
         loop.shutdown()
         SkipManager.flush()
         spans.close()
     prompts, batch = (Batch.concat([pair[i] for pair in generated]) for i in (0, 1))
-    batch.meta_info["rollout"] = merge_rollout_stats([out.meta_info["rollout"] for _, out in generated], concurrent=False)
+    batch.meta_info["rollout"] = merge_rollout_stats(
+        [out.meta_info["rollout"] for _, out in generated], concurrent=False
+    )
     seconds = time.perf_counter() - start
     console.print(summary(batch, prompts, tokenizer, settings, seconds, loaded=loop.rollouts == 0))
     return batch
@@ -101,7 +102,9 @@ def summary(
     stats = batch.meta_info["rollout"]
     table = Table(title="skip rollout", show_header=False)
     steps = settings.steps
-    span = f"{steps[0]}-{steps[-1]}" if steps == tuple(range(steps[0], steps[-1] + 1)) else ", ".join(map(str, steps))
+    span = ", ".join(map(str, steps))
+    if len(steps) > 2 and steps == tuple(range(steps[0], steps[-1] + 1)):
+        span = f"{steps[0]}-{steps[-1]}"
     table.add_row("steps of skip run", f"{span}, with the starting weights (model.path)")
     table.add_row("prompts × samples", f"{len(prompts)} × {len(batch) // max(len(prompts), 1)} = {len(batch)} requests")
     if loaded:
