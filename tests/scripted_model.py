@@ -3,7 +3,8 @@
 ``ScriptedBackend`` answers each turn with text a script chooses, encoded by the real
 tokenizer; the loop, chat format, parser, tools and padding it drives are the real ones.
 ``HeldUntilPaused`` is the real ``hf`` engine whose first request waits for the first pause,
-for runs on Ray (``rollout.backend=held_hf``). Light to import: Ray workers import it at start.
+for runs on Ray (``rollout.backend=held_hf``); ``DiesAfterSyncs`` (``dying_hf``) kills its worker
+process mid-generation once. Light to import: Ray workers import it at start.
 """
 
 import asyncio
@@ -96,6 +97,7 @@ def make_loop(tokenizer, backend, tools=None, **config):
 
 HELD = "held_hf"
 HELD_VLLM = "held_vllm"
+DYING = "dying_hf"
 
 
 class HeldUntilPaused(RolloutBackend):
@@ -140,11 +142,50 @@ class HeldUntilPaused(RolloutBackend):
         await self.engine.shutdown()
 
 
+class DiesAfterSyncs(RolloutBackend):
+    """A real engine whose process kills itself (SIGKILL, as the OOM killer or a preemption would)
+    at its first request after ``syncs`` weight loads, in its first incarnation only: the worker
+    Ray restarts runs normally. Under ``sync`` that is step 3's generation, under one_step_off
+    step 2's (its first sync comes before step 1)."""
+
+    def __init__(self, engine: RolloutBackend, syncs: int = 2) -> None:
+        self.engine, self.syncs = engine, syncs
+
+    async def generate(self, prompt_ids, params, request_id):
+        import os
+        import signal
+
+        import ray
+
+        if self.syncs <= 0 and not ray.get_runtime_context().was_current_actor_reconstructed:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return await self.engine.generate(prompt_ids, params, request_id)
+
+    async def update_weights(self, state_dict):
+        self.syncs -= 1
+        await self.engine.update_weights(state_dict)
+
+    async def pause(self):
+        await self.engine.pause()
+
+    async def resume(self):
+        await self.engine.resume()
+
+    async def sleep(self):
+        await self.engine.sleep()
+
+    async def wake_up(self):
+        await self.engine.wake_up()
+
+    async def shutdown(self):
+        await self.engine.shutdown()
+
+
 class HeldFactory:
     """A backend's factory (and its driver-side check), wrapped: takes whatever arguments it takes."""
 
-    def __init__(self, backend: str) -> None:
-        self.backend = backend
+    def __init__(self, backend: str, wrapper: type = HeldUntilPaused) -> None:
+        self.backend, self.wrapper = backend, wrapper
 
     def _factory(self):
         from skip_core.plugins import registry
@@ -157,7 +198,7 @@ class HeldFactory:
             check(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
-        return HeldUntilPaused(self._factory()(*args, **kwargs))
+        return self.wrapper(self._factory()(*args, **kwargs))
 
 
 class _HeldPlugin:
@@ -165,11 +206,13 @@ class _HeldPlugin:
     def skip_register_backends(self, register):
         register(HELD, HeldFactory("hf"))
         register(HELD_VLLM, HeldFactory("vllm"))  # built only where vllm is installed
+        register(DYING, HeldFactory("hf", DiesAfterSyncs))
 
 
 def register_held_backend() -> None:
-    """Make ``rollout.backend=held_hf`` (and ``held_vllm``) available in this process; every worker of the suite's
-    Ray runs it at start (``ray_session``), a test's driver through ``held_backend``."""
+    """Make ``rollout.backend=held_hf`` (and ``held_vllm``, ``dying_hf``) available in this process;
+    every worker of the suite's Ray runs it at start (``ray_session``), a test's driver through
+    ``held_backend``."""
     from skip_core.plugins import pm
 
     if not pm.has_plugin(HELD):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,13 +57,38 @@ def hydra_job(name: str, help: str, job: Callable[[Any, Console], Any]) -> click
     def command(overrides: tuple[str, ...], config_dir: Path | None, config_name: str) -> None:
         from skip_core.config import ConfigError
 
+        from skip_plugin_trainer.train.resume import RunStopped
+
         config = compose_config(config_dir, config_name, overrides)
         try:
             job(config, console)
         except ConfigError as exc:
             raise click.ClickException(str(exc)) from None
+        except RunStopped as exc:
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            again = [*(["--config-dir", str(config_dir)] if config_dir else []), *overrides]
+            if config_name != name:
+                again[:0] = ["--config-name", config_name]
+            raise click.ClickException(how_to_resume(exc, name, again)) from None
 
     return command
+
+
+def how_to_resume(exc: Any, name: str, args: list[str]) -> str:
+    """One line for a run that lost a worker it cannot do without: what died, and the command
+    (``skip <name> <args>`` again, resuming wherever it was told not to) that goes on from the
+    newest checkpoint."""
+    kept = [a for a in args if not a.startswith(("trainer.resume_mode=", "trainer.resume_from_path="))]
+    if len(kept) < len(args):  # told to start over, or from a given path: the newest checkpoint now
+        kept.append("trainer.resume_mode=auto")
+    again = shlex.join(["skip", name, *kept])
+    where = (
+        f"resume from the newest checkpoint ({exc.checkpoint}) with `{again}`"
+        if exc.checkpoint is not None
+        else f"no checkpoint was saved yet (trainer.save_freq): `{again}` starts over"
+    )
+    return f"skip {name} stopped at {exc}; {where} (HYDRA_FULL_ERROR=1 shows the traceback)"
 
 
 def compose_config(config_dir: Path | None, config_name: str, overrides: tuple[str, ...]) -> Any:

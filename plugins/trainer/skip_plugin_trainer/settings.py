@@ -161,6 +161,7 @@ class TrainerConfig(_Section):
 class RolloutPool(_Section):
     workers: PositiveInt = 1
     cpus_per_worker: PositiveFloat = 1
+    max_restarts: NonNegativeInt = 3  # times Ray restarts a lost worker (killed, preempted, out of memory)
 
 
 class ActorPool(_Section):

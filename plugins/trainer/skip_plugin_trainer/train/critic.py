@@ -17,11 +17,12 @@ from skip_core.batch import Batch
 
 from skip_plugin_trainer.algorithm_settings import CriticConfig
 from skip_plugin_trainer.train.algorithm import masked_mean
+from skip_plugin_trainer.train.located import Located
 from skip_plugin_trainer.train.policy import micro_batches, pad_right, response_outputs
 from skip_plugin_trainer.train.value import value_loss
 
 
-class Critic:
+class Critic(Located):
     def __init__(
         self,
         model_path: str,

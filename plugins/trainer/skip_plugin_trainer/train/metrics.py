@@ -125,7 +125,10 @@ def throughput_metrics(timing: Mapping[str, float], batch: Batch, n_workers: int
 def engine_metrics(before: Mapping[str, float], now: Mapping[str, float]) -> dict[str, float]:
     """What the rollout engines did during one step: each counter's increase since ``before``.
     In an overlapped schedule that is the generation running beside the step's training."""
-    change = {name: value - before.get(name, 0.0) for name, value in now.items()}
+    # A counter lower than before belongs to an engine restarted meanwhile: it counted from zero.
+    change = {
+        name: value - before.get(name, 0.0) if value >= before.get(name, 0.0) else value for name, value in now.items()
+    }
     metrics = {f"rollout/engine/{name}": float(value) for name, value in change.items()}
     if change.get("decode_passes"):
         metrics["rollout/engine/batch_rows_mean"] = change["decode_rows"] / change["decode_passes"]

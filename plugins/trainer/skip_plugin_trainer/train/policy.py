@@ -24,9 +24,10 @@ from skip_plugin_trainer.train.algorithm import (
     log_probs_from_logits,
     policy_loss,
 )
+from skip_plugin_trainer.train.located import Located
 
 
-class Policy:
+class Policy(Located):
     """The trained model, its optimizer, and (for KL) a frozen copy of the initial weights."""
 
     def __init__(

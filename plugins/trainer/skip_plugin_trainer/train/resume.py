@@ -74,3 +74,17 @@ def _step_of(path: Path) -> int:
     if not name.startswith("global_step_") or not name[len("global_step_") :].isdigit():
         raise ConfigError(f"trainer.resume_from_path: expected a global_step_<k> directory, got {str(path)!r}")
     return int(name[len("global_step_") :])
+
+
+class RunStopped(RuntimeError):
+    """A worker the run cannot do without died (the actor, the critic, or a rollout worker Ray
+    could not restart); ``checkpoint`` is the newest the run saved, the one a new run resumes from."""
+
+    def __init__(self, message: str, checkpoint: Path | None) -> None:
+        super().__init__(message)
+        self.checkpoint = checkpoint
+
+
+def stopped(what: str, step: int, checkpoints: CheckpointManager) -> RunStopped:
+    steps = checkpoints.steps()
+    return RunStopped(f"step {step}: {what}", checkpoints.path(steps[-1]) if steps else None)

@@ -24,6 +24,7 @@ import numpy as np
 import ray
 import torch
 from omegaconf import OmegaConf
+from ray.exceptions import RayActorError
 from rich.console import Console
 from skip_core import spans
 from skip_core.batch import Batch
@@ -48,8 +49,9 @@ from skip_plugin_trainer.train.metrics import (
     timing_metrics,
 )
 from skip_plugin_trainer.train.phases import Phases
-from skip_plugin_trainer.train.resume import find_checkpoint, nothing_left, trainer_state
+from skip_plugin_trainer.train.resume import find_checkpoint, nothing_left, stopped, trainer_state
 from skip_plugin_trainer.train.reward import Rewarder
+from skip_plugin_trainer.train.rollout_group import WorkerLost
 from skip_plugin_trainer.train.train_only import plan_engines
 from skip_plugin_trainer.train.workers import Cluster
 
@@ -389,6 +391,9 @@ def run(config: Any, console: Console) -> Trainer:
     try:
         trainer.start()
         trainer.fit()
+    except (RayActorError, WorkerLost) as exc:  # a rollout worker Ray restarts is survived below this
+        what = str(exc) if isinstance(exc, WorkerLost) else trainer.cluster.describe(exc)
+        raise stopped(what, trainer.global_steps + 1, trainer.checkpoints) from exc
     finally:
         trainer.close()
     trainer.report()

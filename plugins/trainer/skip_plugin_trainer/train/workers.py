@@ -7,34 +7,31 @@ assumes one machine: with ``RAY_ADDRESS`` set, the bundles land wherever the clu
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import os
-import threading
-import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
+from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from skip_core import spans
 from skip_core.batch import Batch
 from skip_core.config import ConfigError
-from skip_core.manager import SkipManager
 
-from skip_plugin_trainer.rollout.padding import merge_rollout_stats
 from skip_plugin_trainer.settings import RolloutSettings, RunSettings
 from skip_plugin_trainer.train.critic import Critic
+from skip_plugin_trainer.train.located import Located
 from skip_plugin_trainer.train.policy import Policy
+from skip_plugin_trainer.train.rollout_group import RolloutGroup
 
 POOL_TIMEOUT_S = 60
-SHUTDOWN_TIMEOUT_S = 120
 STREAMED_PER_WORKER = 256
 
 
-class RolloutWorker:
+class RolloutWorker(Located):
     """One agent loop and backend, built in the worker process from the run's settings.
 
     ``rank`` names the worker in profiles; spans of work outside a rollout (weight loads)
@@ -82,6 +79,7 @@ class Cluster:
         self.rollout: RolloutGroup | None = None
         self.actor: Any = None
         self.critic: Any = None
+        self._where: dict[str, tuple[str, Any]] = {}
 
     def start(self, settings: RunSettings, overlapped: bool, defer_rollout: bool = False) -> None:
         """Place the pools and start the workers; with ``defer_rollout`` (train-only) the rollout
@@ -103,8 +101,15 @@ class Cluster:
         rollout, actor = self.pools
         threads = resources.threads(rollout.cpus, overlapped, together=resources.rollout.workers)
         # Many concurrent calls per worker: streamed samples each wait in one; the engine batches them.
+        restarts = resources.rollout.max_restarts
         spawn = functools.partial(
-            rollout.spawn, RolloutWorker, settings, threads, Pool.RANK, concurrency=STREAMED_PER_WORKER
+            rollout.spawn,
+            RolloutWorker,
+            settings,
+            threads,
+            Pool.RANK,
+            concurrency=STREAMED_PER_WORKER,
+            restarts=restarts,
         )
         self.rollout = RolloutGroup(spawn, started=not defer_rollout)
         # The critic shares the policy's bundle, as verl colocates them: a step runs their phases in turn.
@@ -128,6 +133,18 @@ class Cluster:
             )[-1:]
         # Both pools load their models side by side; the first step's timing is then the step's.
         ray.get([worker.__ray_ready__.remote() for pool in self.pools for worker in pool.actors])
+        named = [("actor", self.actor), ("critic", self.critic)]
+        self._where = {a._actor_id.hex(): (name, a.where.remote()) for name, a in named if a is not None}
+
+    def describe(self, lost: RayActorError) -> str:
+        """Which of the run's workers ``lost`` is about, and where it ran: ``the actor worker (pid 12
+        on node 10.0.0.2) died: <Ray's reason>``."""
+        name, where = self._where.get(lost.actor_id or "", ("a", None))
+        try:
+            where = ray.get(where, timeout=1) if where is not None else "?"
+        except (RayActorError, GetTimeoutError):
+            where = "?"
+        return f"the {name} worker ({where}) died: {str(lost).splitlines()[0].rstrip('.')}"
 
     def close(self) -> None:
         """Let the rollout workers stop their engines and write their profiles, then free the pools."""
@@ -167,15 +184,23 @@ class Pool:
             name, key, bundles, cpus = pools[-1]
             raise ConfigError(_unplaceable(key, name, bundles, cpus))
 
-    def spawn(self, cls: type, *args: Any, concurrency: int = 1, share: int = 1, **kwargs: Any) -> list[Any]:
+    def spawn(
+        self, cls: type, *args: Any, concurrency: int = 1, share: int = 1, restarts: int = 0, **kwargs: Any
+    ) -> list[Any]:
         """One ``cls`` actor per bundle, its constructor started (``__ray_ready__`` says when it is
         done); ``concurrency`` calls may run in one actor at a time (threads); ``share`` actors
-        will share each bundle (the pool's actors so far are returned, the new ones last)."""
+        will share each bundle (the pool's actors so far are returned, the new ones last); Ray
+        restarts one that dies ``restarts`` times (its calls then fail: the caller redoes them)."""
         remote = ray.remote(cls)
         for index in range(self.group.bundle_count):
             strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index)
             actor = remote.options(
-                num_cpus=self.cpus / share, scheduling_strategy=strategy, name=None, max_concurrency=concurrency
+                num_cpus=self.cpus / share,
+                scheduling_strategy=strategy,
+                name=None,
+                max_concurrency=concurrency,
+                max_restarts=restarts,
+                max_task_retries=0,
             )
             ranked = [index if a is Pool.RANK else a for a in args]
             self.actors.append(actor.remote(*ranked, **{k: index if v is Pool.RANK else v for k, v in kwargs.items()}))
@@ -193,101 +218,3 @@ def _unplaceable(key: str, name: str, bundles: int, cpus: float) -> str:
         f"{key}: the {name} pool needs {bundles} x {cpus:g} CPU, which the Ray cluster ({have:g} CPU, "
         "resources.num_cpus) cannot place next to the other pools"
     )
-
-
-class RolloutGroup:
-    """The driver's handle on the rollout workers, and the unit skip's ``rollout`` role wraps.
-
-    A cache hit replaces the whole call, so no worker is asked for anything: ``calls`` counts
-    the batches that really reached the workers. Workers not ``started`` (train-only) are
-    spawned by the first call that reaches them, given the weights of the last sync first.
-    """
-
-    def __init__(self, spawn: Callable[[], list[Any]], started: bool = True) -> None:
-        self._spawn = spawn
-        self.workers: list[Any] = spawn() if started else []
-        self.calls = 0
-        self._turn = 0
-        self._lock = threading.Lock()
-        self._weights: tuple[Any, int] | None = None  # synced while the workers were not started
-
-    def _started(self, prompts: Batch) -> list[Any]:
-        with self._lock:
-            if self.workers:
-                return self.workers
-            step = prompts.meta_info.get("global_steps")
-            what = "validation" if prompts.meta_info.get("validate") else f"the generation of step {step}"
-            warnings.warn(
-                f"starting the rollout engines: {what} is not in the skip cache", RuntimeWarning, stacklevel=3
-            )
-            with spans.span("engine_start"):
-                workers = self._spawn()
-                ray.get([worker.__ray_ready__.remote() for worker in workers])
-                if self._weights is not None:
-                    state_dict, version = self._weights
-                    ray.get([worker.update_weights.remote(state_dict, version, False) for worker in workers])
-            self.workers, self._weights = workers, None
-            return workers
-
-    @SkipManager.annotate(role="rollout")
-    def generate_sequences(self, prompts: Batch) -> Batch:
-        """Split the prompts evenly across workers, generate concurrently, and rejoin in order."""
-        self.calls += 1
-        workers = self._started(prompts)
-        parts = prompts.chunk(len(workers))
-        futures = []
-        base = int(prompts.meta_info.get("index_base", 0))
-        for rank, (worker, part) in enumerate(zip(workers, parts, strict=True)):
-            part.meta_info = {**prompts.meta_info, "index_base": base + rank * len(part)}
-            futures.append(worker.generate_sequences.remote(part))
-        outputs = self._gather(futures)
-        with spans.span("batch_construction", workers=len(outputs)):
-            merged = Batch.concat(outputs)
-            merged.meta_info = {"rollout": merge_rollout_stats([out.meta_info["rollout"] for out in outputs])}
-        return merged
-
-    @SkipManager.annotate(role="async_rollout")
-    async def generate_sequences_single(self, prompts: Batch, sample_id: str) -> Batch:
-        """One streamed prompt (``sample_{epoch}_{index}``), on the workers in turn: the unit skip's
-        ``async_rollout`` role wraps. Workers take many at once; their engines batch them."""
-        self.calls += 1
-        workers = await asyncio.to_thread(self._started, prompts)
-        worker = workers[self._turn % len(workers)]
-        self._turn += 1
-        return await worker.generate_sequences.remote(prompts)
-
-    @staticmethod
-    def _gather(futures: list[Any]) -> list[Batch]:
-        """The workers' batches in rank order; each worker's wait for the slowest is a ``barrier_wait`` span."""
-        arrived: dict[Any, float] = {}
-        pending = list(futures)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            arrived.update((ref, time.time()) for ref in done)
-        last = max(arrived.values())
-        for rank, ref in enumerate(futures):
-            spans.record("barrier_wait", arrived[ref], last, workid=rank)
-        return ray.get(futures)
-
-    def update_weights(self, state_dict: Any, version: int, interrupt: bool = False) -> None:
-        """Push the weights of step ``version`` (a Ray object ref is fetched once per worker, not
-        per call); ``interrupt`` pauses generations in flight instead of requiring none. Before
-        the workers start, the weights are kept for them (a ref, the actor's copy in the object store)."""
-        with self._lock:
-            if not self.workers:
-                self._weights = (state_dict, version)
-                return
-        with spans.span("weight_sync"):
-            ray.get([worker.update_weights.remote(state_dict, version, interrupt) for worker in self.workers])
-
-    def engine_counters(self) -> dict[str, float]:
-        """Every worker's engine counters (``RolloutBackend.counters``), summed."""
-        total: dict[str, float] = {}
-        for counts in ray.get([worker.engine_counters.remote() for worker in self.workers]):
-            for name, value in counts.items():
-                total[name] = total.get(name, 0.0) + value
-        return total
-
-    def shutdown(self) -> None:
-        """Bounded: an engine that never stops must not hang the run's exit (its pool kills it)."""
-        ray.get([worker.shutdown.remote() for worker in self.workers], timeout=SHUTDOWN_TIMEOUT_S)

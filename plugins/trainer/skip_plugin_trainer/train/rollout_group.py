@@ -1,0 +1,195 @@
+"""The driver's handle on the rollout workers: the unit skip's rollout roles wrap, and where a lost
+worker is survived.
+
+A rollout worker is routinely lost on a cluster (preemption, the OOM killer, a node going
+away). Ray restarts it (``resources.rollout.max_restarts``): its constructor runs again and its
+engine loads the model from disk. The group then gives it the weights of the last sync before
+anything else, and asks it again for what it was doing. A batch part is seeded by its rows, so
+the redone part is the one an uninterrupted run gets. A worker Ray cannot restart is a
+``WorkerLost``, which names it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from skip_core import spans
+from skip_core.batch import Batch
+from skip_core.manager import SkipManager
+
+from skip_plugin_trainer.rollout.padding import merge_rollout_stats
+
+SHUTDOWN_TIMEOUT_S = 120
+RESTART_TIMEOUT_S = 600  # a restarted worker loads its engine; vLLM on CPU takes a minute
+
+
+class WorkerLost(RuntimeError):
+    """A Ray worker of the run died and was not restarted; the message names it and where it ran."""
+
+
+class RolloutGroup:
+    """The rollout workers, seen from the driver as one engine.
+
+    A cache hit replaces the whole call, so no worker is asked for anything: ``calls`` counts
+    the batches that really reached the workers. Workers not ``started`` (train-only) are
+    spawned by the first call that reaches them. Both a worker started late and one restarted
+    load the weights of the last sync first.
+    """
+
+    def __init__(self, spawn: Callable[[], list[Any]], started: bool = True) -> None:
+        self._spawn = spawn
+        self.workers: list[Any] = []
+        self.calls = 0
+        self.restarts = 0
+        self._turn = 0
+        self._lock = threading.Lock()
+        self._weights: tuple[Any, int] | None = None  # (object ref, step) of the last sync
+        self._where: list[Any] = []  # each worker's answer to ``where``: the process to name if it is lost
+        self._recovering: list[threading.Lock] = []
+        if started:
+            self._use(spawn())
+
+    def _use(self, workers: list[Any]) -> None:
+        self._where = [worker.where.remote() for worker in workers]
+        self._recovering = [threading.Lock() for _ in workers]
+        self.workers = workers
+
+    def _started(self, prompts: Batch) -> list[Any]:
+        with self._lock:
+            if self.workers:
+                return self.workers
+            step = prompts.meta_info.get("global_steps")
+            what = "validation" if prompts.meta_info.get("validate") else f"the generation of step {step}"
+            warnings.warn(
+                f"starting the rollout engines: {what} is not in the skip cache", RuntimeWarning, stacklevel=3
+            )
+            with spans.span("engine_start"):
+                workers = self._spawn()
+                ray.get([worker.__ray_ready__.remote() for worker in workers])
+                if self._weights is not None:
+                    ray.get([worker.update_weights.remote(*self._weights, False) for worker in workers])
+            self._use(workers)
+            return workers
+
+    @SkipManager.annotate(role="rollout")
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        """Split the prompts evenly across workers, generate concurrently, and rejoin in order."""
+        self.calls += 1
+        workers = self._started(prompts)
+        parts = prompts.chunk(len(workers))
+        base = int(prompts.meta_info.get("index_base", 0))
+        for rank, part in enumerate(parts):
+            part.meta_info = {**prompts.meta_info, "index_base": base + rank * len(part)}
+        step = prompts.meta_info.get("global_steps")
+        outputs = self._gather("generate_sequences", [(part,) for part in parts], f"generating step {step}")
+        with spans.span("batch_construction", workers=len(outputs)):
+            merged = Batch.concat(outputs)
+            merged.meta_info = {"rollout": merge_rollout_stats([out.meta_info["rollout"] for out in outputs])}
+        return merged
+
+    @SkipManager.annotate(role="async_rollout")
+    async def generate_sequences_single(self, prompts: Batch, sample_id: str) -> Batch:
+        """One streamed prompt (``sample_{epoch}_{index}``), on the workers in turn: the unit skip's
+        ``async_rollout`` role wraps. Workers take many at once; their engines batch them. A sample
+        lost with its worker is generated again from its start (its seed is its id's)."""
+        self.calls += 1
+        workers = await asyncio.to_thread(self._started, prompts)
+        rank = self._turn % len(workers)
+        self._turn += 1
+        while True:
+            try:
+                return await self.workers[rank].generate_sequences.remote(prompts)
+            except RayActorError as exc:
+                await asyncio.to_thread(self._recover, rank, exc, f"generating {sample_id}")
+
+    def _gather(self, method: str, args: Sequence[tuple], what: str, redo: bool = True) -> list[Any]:
+        """``method(*args[rank])`` on every worker, the results in rank order; each worker's wait
+        for the slowest is a ``barrier_wait`` span. A lost worker is restarted and, with
+        ``redo``, asked again."""
+        refs = [getattr(worker, method).remote(*a) for worker, a in zip(self.workers, args, strict=True)]
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        arrived: dict[int, float] = {}
+        results: list[Any] = [None] * len(refs)
+        pending = list(refs)
+        while pending:
+            (ref,), pending = ray.wait(pending, num_returns=1)
+            rank = rank_of[ref]
+            try:
+                results[rank] = ray.get(ref)
+            except RayActorError as exc:
+                self._recover(rank, exc, what)
+                if redo:
+                    retry = getattr(self.workers[rank], method).remote(*args[rank])
+                    rank_of[retry] = rank
+                    pending.append(retry)
+                    continue
+            arrived[rank] = time.time()
+        last = max(arrived.values(), default=0.0)
+        for rank, at in arrived.items():
+            spans.record("barrier_wait", at, last, workid=rank)
+        return results
+
+    def _recover(self, rank: int, error: Exception, what: str) -> None:
+        """Wait for Ray to restart worker ``rank``, then give it the weights of the last sync.
+        Calls that lost the same worker wait here; the first to come restores it."""
+        with self._recovering[rank]:
+            worker, lost = self.workers[rank], self._where[rank]
+            try:
+                lost = ray.get(lost, timeout=1)
+            except (RayActorError, GetTimeoutError):
+                lost = "a process that died before it said where"
+            now = worker.where.options(max_task_retries=-1).remote()  # waits out the restart
+            try:
+                where = ray.get(now, timeout=RESTART_TIMEOUT_S)
+            except (RayActorError, GetTimeoutError) as exc:
+                cause = str(error).splitlines()[0].rstrip(".")
+                raise WorkerLost(f"rollout worker {rank} ({lost}) died {what} and was not restarted: {cause}") from exc
+            if where == lost:  # alive all along (a transient loss), or restored by another call
+                return
+            self._where[rank] = now
+            if self._weights is not None:
+                ray.get(worker.update_weights.remote(*self._weights, False))
+            self.restarts += 1
+            version = 0 if self._weights is None else self._weights[1]
+            warnings.warn(
+                f"rollout worker {rank} ({lost}) was lost {what}; Ray restarted it ({where}), which loaded "
+                f"the weights of step {version} and takes up its work again",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def update_weights(self, state_dict: Any, version: int, interrupt: bool = False) -> None:
+        """Push the weights of step ``version`` (a Ray object ref is fetched once per worker, not
+        per call); ``interrupt`` pauses generations in flight instead of requiring none. The ref
+        is kept: a worker started or restarted later loads it first."""
+        with self._lock:
+            self._weights = (state_dict, version)
+            if not self.workers:
+                return
+        with spans.span("weight_sync"):
+            # A worker lost here is restarted and loads these weights in ``_recover``.
+            self._gather(
+                "update_weights",
+                [(state_dict, version, interrupt)] * len(self.workers),
+                "during a weight sync",
+                redo=False,
+            )
+
+    def engine_counters(self) -> dict[str, float]:
+        """Every worker's engine counters (``RolloutBackend.counters``), summed."""
+        total: dict[str, float] = {}
+        for counts in self._gather("engine_counters", [()] * len(self.workers), "reading its counters"):
+            for name, value in counts.items():
+                total[name] = total.get(name, 0.0) + value
+        return total
+
+    def shutdown(self) -> None:
+        """Bounded: an engine that never stops must not hang the run's exit (its pool kills it)."""
+        ray.get([worker.shutdown.remote() for worker in self.workers], timeout=SHUTDOWN_TIMEOUT_S)

@@ -1,0 +1,58 @@
+"""Faults a run on a cluster meets: a rollout worker killed mid-generation is restarted, given the
+current weights, and its part generated again with the same seeds, so the run ends with the
+metrics of an uninterrupted one; the actor killed stops the run with one line that says what
+died and the command that resumes from the newest checkpoint."""
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+from click.testing import CliRunner
+from skip_core.cli import cli
+from skiptests import CONFIGS
+from training import metrics, overrides, train
+
+RUN = ("trainer.total_training_steps=3", "trainer.test_freq=0")
+SAME = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/entropy", "training/staleness")
+
+
+@pytest.mark.parametrize("schedule", ["sync", "one_step_off"])
+def test_a_rollout_worker_killed_mid_generation_is_restarted_and_the_run_unchanged(
+    ray_session, held_backend, task_dir, tmp_path, schedule
+):
+    schedule = f"trainer.schedule={schedule}"
+    train(task_dir, tmp_path / "whole", *RUN, schedule)
+    with pytest.warns(RuntimeWarning, match=r"rollout worker 0 \(pid \d+ on node .*\) was lost generating step"):
+        trainer, _ = train(task_dir, tmp_path / "killed", *RUN, schedule, "rollout.backend=dying_hf")
+    assert trainer.rollout.restarts == 1
+    whole, killed = (metrics(tmp_path / run / "run") for run in ("whole", "killed"))
+    assert [row["step"] for row in killed] == [1, 2, 3]
+    for a, b in zip(whole, killed, strict=True):
+        for key in (k for k in SAME if k in a):
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (a["step"], key)
+
+
+def test_the_actor_killed_stops_the_run_with_one_line_naming_it_and_how_to_resume(ray_session, task_dir, tmp_path):
+    run = tmp_path / "run"
+    args = ["run", "--config-dir", str(CONFIGS), *overrides(task_dir, tmp_path, *RUN, "trainer.save_freq=1")]
+
+    def kill_the_actor_after_its_first_checkpoint():
+        while not (run / "global_step_1" / "manifest.json").exists():
+            time.sleep(0.05)
+        found = subprocess.run(["pgrep", "-f", "ray::Policy"], capture_output=True, text=True, check=False)
+        for pid in found.stdout.split():
+            os.kill(int(pid), signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_the_actor_after_its_first_checkpoint, daemon=True)
+    killer.start()
+    result = CliRunner().invoke(cli, args)
+    killer.join(timeout=60)
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    (line,) = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert re.match(r"Error: skip run stopped at step [23]: the actor worker \(pid \d+ on node \S+\) died: ", line)
+    assert re.search(r"resume from the newest checkpoint \(.*global_step_[12]\) with `skip run --config-dir ", line)
+    assert line.endswith("(HYDRA_FULL_ERROR=1 shows the traceback)")
