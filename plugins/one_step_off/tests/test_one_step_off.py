@@ -136,7 +136,12 @@ def test_without_bypass_old_log_probs_are_recomputed_and_importance_weighted(ray
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("resources.actor.cpus=2", "resources.actor: the actor pool needs 1 x 2 CPU"),
+        ("resources.actor.cpus=2", "resources.actor: the actor pool needs 1 x (2 CPU), which the Ray cluster (2 CPU"),
+        # No node of the tests' Ray offers the resource: the pool can go nowhere.
+        (
+            "resources.rollout.ray_resources={node_b:1}",
+            "resources.rollout: the rollout pool needs 1 x (1 CPU + 1 node_b)",
+        ),
         ("algorithm.rollout_correction.rollout_is=tokens", "algorithm.rollout_correction.rollout_is"),
         ("resources.rollout.gpus=1", "resources.rollout.gpus: unknown key"),
     ],

@@ -11,6 +11,7 @@ import functools
 import os
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -91,13 +92,14 @@ class Cluster:
             # the run's work, and at 15 beside any other busy process they get a sliver of a CPU.
             local = {"num_cpus": resources.num_cpus, "_system_config": {"worker_niceness": 0}}
             ray.init(**({"address": address} if address else local), include_dashboard=False, log_to_driver=True)
+        rollout_pool, actor_pool = resources.rollout, resources.actor
         pools = [
-            ("rollout", "resources.rollout", resources.rollout.workers, resources.rollout.cpus_per_worker),
-            ("actor", "resources.actor", 1, resources.actor.cpus),
+            PoolSpec("rollout", rollout_pool.workers, rollout_pool.cpus_per_worker, rollout_pool.ray_resources),
+            PoolSpec("actor", 1, actor_pool.cpus, actor_pool.ray_resources),
         ]
         Pool.check_capacity(pools)
         for pool in pools:
-            self.pools.append(Pool(*pool))
+            self.pools.append(Pool(pool))
         rollout, actor = self.pools
         threads = resources.threads(rollout.cpus, overlapped, together=resources.rollout.workers)
         # Many concurrent calls per worker: streamed samples each wait in one; the engine batches them.
@@ -158,6 +160,30 @@ class Cluster:
         self.pools.clear()
 
 
+@dataclass(frozen=True)
+class PoolSpec:
+    """What a pool asks of the cluster: ``bundles`` of ``cpus`` CPUs plus the ``ray_resources`` of
+    ``resources.<name>`` (custom resources a node offers, e.g. ``{node_b: 1}``: the pool goes
+    to the nodes that have them)."""
+
+    name: str
+    bundles: int
+    cpus: float
+    ray_resources: Mapping[str, float]
+
+    @property
+    def bundle(self) -> dict[str, float]:
+        return {"CPU": self.cpus, **self.ray_resources}
+
+    def unplaceable(self) -> str:
+        have = ", ".join(f"{v:g} {k}" for k, v in sorted(ray.cluster_resources().items()) if "node:" not in k)
+        asked = " + ".join(f"{v:g} {k}" for k, v in self.bundle.items())
+        return (
+            f"resources.{self.name}: the {self.name} pool needs {self.bundles} x ({asked}), which the Ray "
+            f"cluster ({have}) cannot place next to the other pools"
+        )
+
+
 class Pool:
     """A placement group and the actors placed in its bundles.
 
@@ -166,23 +192,23 @@ class Pool:
 
     RANK = object()
 
-    def __init__(self, name: str, key: str, bundles: int, cpus: float) -> None:
-        self.name, self.cpus = name, cpus
-        self.group: PlacementGroup = placement_group([{"CPU": cpus}] * bundles, strategy="PACK", name=name)
+    def __init__(self, spec: PoolSpec) -> None:
+        self.name, self.cpus = spec.name, spec.cpus
+        self.group: PlacementGroup = placement_group([spec.bundle] * spec.bundles, strategy="PACK", name=spec.name)
         ready, _ = ray.wait([self.group.ready()], timeout=POOL_TIMEOUT_S)
         if not ready:
             remove_placement_group(self.group)
-            raise ConfigError(_unplaceable(key, name, bundles, cpus))
+            raise ConfigError(spec.unplaceable())
         self.actors: list[Any] = []
 
     @staticmethod
-    def check_capacity(pools: Sequence[tuple[str, str, int, float]]) -> None:
-        """Fail at once when the pools ``(name, key, bundles, cpus)`` need more CPUs than the whole
-        cluster has, instead of waiting for a placement that can never happen."""
-        have = ray.cluster_resources().get("CPU", 0)
-        if sum(bundles * cpus for _, _, bundles, cpus in pools) > have:
-            name, key, bundles, cpus = pools[-1]
-            raise ConfigError(_unplaceable(key, name, bundles, cpus))
+    def check_capacity(pools: Sequence[PoolSpec]) -> None:
+        """Fail at once when the pools need more of a resource than the whole cluster has,
+        instead of waiting for a placement that can never happen."""
+        have = ray.cluster_resources()
+        for resource in {name for pool in pools for name in pool.bundle}:
+            if sum(pool.bundles * pool.bundle.get(resource, 0) for pool in pools) > have.get(resource, 0):
+                raise ConfigError([pool for pool in pools if resource in pool.bundle][-1].unplaceable())
 
     def spawn(
         self, cls: type, *args: Any, concurrency: int = 1, share: int = 1, restarts: int = 0, **kwargs: Any
@@ -210,11 +236,3 @@ class Pool:
         for actor in self.actors:
             ray.kill(actor)
         remove_placement_group(self.group)
-
-
-def _unplaceable(key: str, name: str, bundles: int, cpus: float) -> str:
-    have = ray.cluster_resources().get("CPU", 0)
-    return (
-        f"{key}: the {name} pool needs {bundles} x {cpus:g} CPU, which the Ray cluster ({have:g} CPU, "
-        "resources.num_cpus) cannot place next to the other pools"
-    )
