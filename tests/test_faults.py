@@ -26,7 +26,7 @@ def test_a_rollout_worker_killed_mid_generation_is_restarted_and_the_run_unchang
 ):
     schedule = f"trainer.schedule={schedule}"
     train(task_dir, tmp_path / "whole", *RUN, schedule)
-    with pytest.warns(RuntimeWarning, match=r"rollout worker 0 \(pid \d+ on node .*\) was lost generating step"):
+    with pytest.warns(RuntimeWarning, match=r"rollout worker 0 \(pid \d+ on node .*\) was lost at step \d, noticed "):
         trainer, _ = train(task_dir, tmp_path / "killed", *RUN, schedule, "rollout.backend=dying_hf")
     assert trainer.rollout.restarts == 1
     whole, killed = (metrics(tmp_path / run / "run") for run in ("whole", "killed"))

@@ -163,13 +163,13 @@ class RolloutPool(_Section):
     cpus_per_worker: PositiveFloat = 1
     max_restarts: NonNegativeInt = 3  # times Ray restarts a lost worker (killed, preempted, out of memory)
     # Custom resources each worker's bundle asks for besides its CPUs ({node_b: 1}): on a cluster,
-    # the pool goes to the nodes started with them (ray start --resources).
-    ray_resources: dict[StrictStr, PositiveFloat] = Field(default_factory=dict)
+    # the pool goes to the nodes started with them (ray start --resources). null: none.
+    ray_resources: dict[StrictStr, PositiveFloat] | None = None
 
 
 class ActorPool(_Section):
     cpus: PositiveFloat = 1
-    ray_resources: dict[StrictStr, PositiveFloat] = Field(default_factory=dict)  # as the rollout pool's
+    ray_resources: dict[StrictStr, PositiveFloat] | None = None  # as the rollout pool's
 
 
 class Resources(_Section):

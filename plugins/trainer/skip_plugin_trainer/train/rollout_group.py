@@ -48,6 +48,7 @@ class RolloutGroup:
         self.workers: list[Any] = []
         self.calls = 0
         self.restarts = 0
+        self._step = 0  # of the last generation: the step a lost worker is named at
         self._turn = 0
         self._lock = threading.Lock()
         self._weights: tuple[Any, int] | None = None  # (object ref, step) of the last sync
@@ -87,8 +88,8 @@ class RolloutGroup:
         base = int(prompts.meta_info.get("index_base", 0))
         for rank, part in enumerate(parts):
             part.meta_info = {**prompts.meta_info, "index_base": base + rank * len(part)}
-        step = prompts.meta_info.get("global_steps")
-        outputs = self._gather("generate_sequences", [(part,) for part in parts], f"generating step {step}")
+        self._step = prompts.meta_info.get("global_steps", self._step)
+        outputs = self._gather("generate_sequences", [(part,) for part in parts], "while generating", barrier=True)
         with spans.span("batch_construction", workers=len(outputs)):
             merged = Batch.concat(outputs)
             merged.meta_info = {"rollout": merge_rollout_stats([out.meta_info["rollout"] for out in outputs])}
@@ -100,6 +101,7 @@ class RolloutGroup:
         ``async_rollout`` role wraps. Workers take many at once; their engines batch them. A sample
         lost with its worker is generated again from its start (its seed is its id's)."""
         self.calls += 1
+        self._step = prompts.meta_info.get("global_steps", self._step)
         workers = await asyncio.to_thread(self._started, prompts)
         rank = self._turn % len(workers)
         self._turn += 1
@@ -107,12 +109,14 @@ class RolloutGroup:
             try:
                 return await self.workers[rank].generate_sequences.remote(prompts)
             except RayActorError as exc:
-                await asyncio.to_thread(self._recover, rank, exc, f"generating {sample_id}")
+                await asyncio.to_thread(self._recover, rank, exc, f"while generating {sample_id}")
 
-    def _gather(self, method: str, args: Sequence[tuple], what: str, redo: bool = True) -> list[Any]:
-        """``method(*args[rank])`` on every worker, the results in rank order; each worker's wait
-        for the slowest is a ``barrier_wait`` span. A lost worker is restarted and, with
-        ``redo``, asked again."""
+    def _gather(
+        self, method: str, args: Sequence[tuple], what: str, redo: bool = True, barrier: bool = False
+    ) -> list[Any]:
+        """``method(*args[rank])`` on every worker, the results in rank order; with ``barrier``
+        each worker's wait for the slowest is a ``barrier_wait`` span. A lost worker is restarted
+        and, with ``redo``, asked again."""
         refs = [getattr(worker, method).remote(*a) for worker, a in zip(self.workers, args, strict=True)]
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         arrived: dict[int, float] = {}
@@ -131,9 +135,10 @@ class RolloutGroup:
                     pending.append(retry)
                     continue
             arrived[rank] = time.time()
-        last = max(arrived.values(), default=0.0)
-        for rank, at in arrived.items():
-            spans.record("barrier_wait", at, last, workid=rank)
+        if barrier:
+            last = max(arrived.values())
+            for rank, at in arrived.items():
+                spans.record("barrier_wait", at, last, workid=rank)
         return results
 
     def _recover(self, rank: int, error: Exception, what: str) -> None:
@@ -150,7 +155,10 @@ class RolloutGroup:
                 where = ray.get(now, timeout=RESTART_TIMEOUT_S)
             except (RayActorError, GetTimeoutError) as exc:
                 cause = str(error).splitlines()[0].rstrip(".")
-                raise WorkerLost(f"rollout worker {rank} ({lost}) died {what} and was not restarted: {cause}") from exc
+                raise WorkerLost(
+                    f"rollout worker {rank} ({lost}) died at step {self._step}, noticed {what}, and Ray did not "
+                    f"restart it (resources.rollout.max_restarts): {cause}"
+                ) from exc
             if where == lost:  # alive all along (a transient loss), or restored by another call
                 return
             self._where[rank] = now
@@ -159,8 +167,8 @@ class RolloutGroup:
             self.restarts += 1
             version = 0 if self._weights is None else self._weights[1]
             warnings.warn(
-                f"rollout worker {rank} ({lost}) was lost {what}; Ray restarted it ({where}), which loaded "
-                f"the weights of step {version} and takes up its work again",
+                f"rollout worker {rank} ({lost}) was lost at step {self._step}, noticed {what}; Ray restarted "
+                f"it ({where}), which loaded the weights of step {version} and takes up its work again",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -185,7 +193,7 @@ class RolloutGroup:
     def engine_counters(self) -> dict[str, float]:
         """Every worker's engine counters (``RolloutBackend.counters``), summed."""
         total: dict[str, float] = {}
-        for counts in self._gather("engine_counters", [()] * len(self.workers), "reading its counters"):
+        for counts in self._gather("engine_counters", [()] * len(self.workers), "while reading its counters"):
             for name, value in counts.items():
                 total[name] = total.get(name, 0.0) + value
         return total

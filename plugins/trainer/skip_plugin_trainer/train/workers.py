@@ -94,8 +94,8 @@ class Cluster:
             ray.init(**({"address": address} if address else local), include_dashboard=False, log_to_driver=True)
         rollout_pool, actor_pool = resources.rollout, resources.actor
         pools = [
-            PoolSpec("rollout", rollout_pool.workers, rollout_pool.cpus_per_worker, rollout_pool.ray_resources),
-            PoolSpec("actor", 1, actor_pool.cpus, actor_pool.ray_resources),
+            PoolSpec("rollout", rollout_pool.workers, rollout_pool.cpus_per_worker, rollout_pool.ray_resources or {}),
+            PoolSpec("actor", 1, actor_pool.cpus, actor_pool.ray_resources or {}),
         ]
         Pool.check_capacity(pools)
         for pool in pools:
