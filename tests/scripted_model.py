@@ -145,10 +145,10 @@ class HeldUntilPaused(RolloutBackend):
 class DiesAfterSyncs(RolloutBackend):
     """A real engine whose process kills itself (SIGKILL, as the OOM killer or a preemption would)
     at its first request after ``syncs`` weight loads, in its first incarnation only: the worker
-    Ray restarts runs normally. Under ``sync`` that is step 3's generation, under one_step_off
-    step 2's (its first sync comes before step 1)."""
+    Ray restarts runs normally. Under ``sync`` that is step 2's generation (after step 1's
+    weights), under one_step_off step 1's (its first sync comes before step 1)."""
 
-    def __init__(self, engine: RolloutBackend, syncs: int = 2) -> None:
+    def __init__(self, engine: RolloutBackend, syncs: int = 1) -> None:
         self.engine, self.syncs = engine, syncs
 
     async def generate(self, prompt_ids, params, request_id):

@@ -1,0 +1,121 @@
+"""``skip run`` on a Ray cluster of two real nodes: a head and a worker node on this machine, each
+in its own mount namespace with a private ``/dev/shm`` (its object store) and temp directory
+(its session, sockets and logs), joined over the network. Nothing is shared by accident: objects
+move between the nodes as between machines. The rollout pool asks for ``node_b``, which only
+the worker node offers, and the actor pool for ``node_a``. The run, cache and profile directories
+lie under the test's directory, which both nodes see, as on NFS. The driver runs on the head.
+
+Giving a process its own mount namespace needs CAP_SYS_ADMIN (CI runs as root); without it the
+tests skip and say so.
+"""
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from training import metrics, overrides
+
+RAY = Path(sys.executable).parent / "ray"
+SKIP = Path(sys.executable).parent / "skip"
+PLACED = ("resources.rollout.ray_resources={node_b:1}", "resources.actor.ray_resources={node_a:1}")
+# Token authentication would need the token on both nodes and the driver; the cluster is this machine's.
+ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+
+
+def _namespaces_allowed() -> str | None:
+    if shutil.which("unshare") is None or shutil.which("nsenter") is None:
+        return "unshare and nsenter (util-linux) are not installed"
+    done = subprocess.run(["unshare", "--mount", "true"], capture_output=True, text=True, check=False)
+    return None if done.returncode == 0 else f"unshare --mount is refused here: {done.stderr.strip()}"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _node(directory: Path, name: str, *args: str) -> subprocess.Popen:
+    """``ray start --block`` in a new mount namespace with a tmpfs over /dev/shm and its temp dir."""
+    private = directory / name
+    private.mkdir(parents=True)
+    script = (
+        f"mount -t tmpfs -o size=2g tmpfs /dev/shm && mount -t tmpfs tmpfs {private} && exec {RAY} start --block "
+        f"--temp-dir={private} --num-cpus=1 --object-store-memory=500000000 --disable-usage-stats {shlex.join(args)}"
+    )
+    log = (directory / f"{name}.log").open("w")
+    command = ["unshare", "--mount", "--propagation", "private", "bash", "-c", script]
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=ENV)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    why = _namespaces_allowed()
+    if why is not None:
+        pytest.skip(f"two Ray nodes need a mount namespace each: {why}")
+    directory = tmp_path_factory.mktemp("nodes")
+    address = f"127.0.0.1:{_free_port()}"
+    head = _node(directory, "a", "--head", f"--port={address.split(':')[1]}", "--include-dashboard=false",
+                 "--resources=" + json.dumps({"node_a": 1}))  # fmt: skip
+    nodes = [head]
+    try:
+        _wait_for(head, directory / "a.log")
+        nodes.append(_node(directory, "b", f"--address={address}", "--resources=" + json.dumps({"node_b": 1})))
+        _wait_for(nodes[1], directory / "b.log")
+        yield head.pid, address
+    finally:
+        for node in reversed(nodes):
+            node.send_signal(signal.SIGTERM)
+            node.wait(timeout=60)
+
+
+def _wait_for(node: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + 120
+    while "Ray runtime started" not in log.read_text(errors="replace"):
+        assert node.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+        time.sleep(0.2)
+
+
+def skip_run(cluster, task_dir, tmp_path, *more) -> str:
+    """``RAY_ADDRESS=... skip run`` on the head node, the rollout pool on the worker node."""
+    head, address = cluster
+    command = ["nsenter", f"--mount=/proc/{head}/ns/mnt", str(SKIP), "run", *overrides(task_dir, tmp_path, *more)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**ENV, "RAY_ADDRESS": address})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+RUN = ("trainer.total_training_steps=2", "trainer.test_freq=0", *PLACED)
+
+
+def test_sync_with_caching_and_profiling_across_two_nodes(cluster, task_dir, tmp_path):
+    profile = ("profiling.enable=true", f"profiling.dir={tmp_path / 'profile'}", "skip.rollout.enable=true")
+    skip_run(cluster, task_dir, tmp_path, *RUN, *profile)
+    assert [row["step"] for row in metrics(tmp_path / "run")] == [1, 2]
+    assert sorted(p.name for p in (tmp_path / "profile" / "step_1").iterdir()) == ["worker_-1.jsonl", "worker_0.jsonl"]
+    (shape,) = (tmp_path / "cache").glob("*/GBS*")
+    assert sorted(p.name for p in shape.iterdir() if p.name.isdigit()) == ["1", "2"]
+
+
+def test_one_step_off_across_two_nodes(cluster, task_dir, tmp_path):
+    skip_run(cluster, task_dir, tmp_path, *RUN, "trainer.schedule=one_step_off")
+    assert [row["training/staleness"] for row in metrics(tmp_path / "run")] == [0.0, 1.0]
+
+
+def test_fully_async_on_vllm_across_two_nodes(cluster, task_dir, tmp_path):
+    cached = (
+        "skip.async_rollout.enable=true",
+        "skip.async_rollout.steps=1..16",
+        "rollout.engine_kwargs.vllm.enforce_eager=true",
+    )
+    skip_run(cluster, task_dir, tmp_path, *RUN, "trainer.schedule=fully_async", "rollout.backend=vllm", *cached)
+    assert [row["step"] for row in metrics(tmp_path / "run")] == [1, 2]
+    assert len(list((tmp_path / "cache").glob("*/async_rollout/GBS*/*"))) >= 8  # one entry per streamed prompt
