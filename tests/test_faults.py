@@ -55,6 +55,7 @@ def test_the_actor_killed_stops_the_run_with_one_line_naming_it_and_how_to_resum
     killer.join(timeout=60)
     assert result.exit_code == 1 and "Traceback" not in result.output
     (line,) = [line for line in result.output.splitlines() if line.startswith("Error:")]
-    assert re.match(r"Error: skip run stopped at step [23]: the actor worker \(pid \d+ on node \S+\) died: ", line)
+    died = r"Error: skip run stopped at step [23]: the actor worker \(pid \d+ on node \S+ \(\w+\)\) died: "
+    assert re.match(died, line)
     assert re.search(r"resume from the newest checkpoint \(.*global_step_[12]\) with `skip run --config-dir ", line)
     assert line.endswith("(HYDRA_FULL_ERROR=1 shows the traceback)")

@@ -10,5 +10,6 @@ import ray
 
 class Located:
     def where(self) -> str:
-        """This process and its node."""
-        return f"pid {os.getpid()} on node {ray.util.get_node_ip_address()}"
+        """This process and its node: the address, and Ray's id, as nodes may share an address."""
+        node = ray.get_runtime_context().get_node_id()[:8]
+        return f"pid {os.getpid()} on node {ray.util.get_node_ip_address()} ({node})"
