@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from skip_core.backend import create_backend
+from skip_core.backend import create_backend, one_bucket
 from skip_core.batch import Batch
 from skip_core.sections import Sections
 from skip_plugin_arithmetic.task import ArithmeticOptions, ArithmeticTask, problems, prompt
@@ -124,7 +124,7 @@ def sync_seconds(backend, state: dict, repeat: int = 5) -> float:
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
-        loop.run_until_complete(backend.update_weights(state))
+        loop.run_until_complete(backend.update_weights(one_bucket(state)))
         times.append(time.perf_counter() - start)
     loop.close()
     return statistics.median(times)

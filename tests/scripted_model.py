@@ -8,6 +8,7 @@ process mid-generation once. Light to import: Ray workers import it at start.
 """
 
 import asyncio
+import functools
 import json
 
 from skip_core import Batch, hookimpl
@@ -55,8 +56,9 @@ class ScriptedBackend(RolloutBackend):
             ids, finish = ids[: params.max_new_tokens], "length"
         return [Generation(ids, [-0.25 - 0.01 * i for i in range(len(ids))], finish)]
 
-    async def update_weights(self, state_dict):
-        pass
+    async def update_weights(self, buckets):
+        async for _ in buckets:
+            pass
 
     async def sleep(self):
         pass
@@ -98,6 +100,7 @@ def make_loop(tokenizer, backend, tools=None, **config):
 HELD = "held_hf"
 HELD_VLLM = "held_vllm"
 DYING = "dying_hf"
+DYING_IN_SYNC = "dying_in_sync_hf"
 
 
 class HeldUntilPaused(RolloutBackend):
@@ -128,8 +131,8 @@ class HeldUntilPaused(RolloutBackend):
     async def resume(self):
         await self.engine.resume()
 
-    async def update_weights(self, state_dict):
-        await self.engine.update_weights(state_dict)
+    async def update_weights(self, buckets):
+        await self.engine.update_weights(buckets)
 
     async def sleep(self):
         await self.engine.sleep()
@@ -144,26 +147,39 @@ class HeldUntilPaused(RolloutBackend):
 
 class DiesAfterSyncs(RolloutBackend):
     """A real engine whose process kills itself (SIGKILL, as the OOM killer or a preemption would)
-    at its first request after ``syncs`` weight loads, in its first incarnation only: the worker
-    Ray restarts runs normally. Under ``sync`` that is step 2's generation (after step 1's
-    weights), under one_step_off step 1's (its first sync comes before step 1)."""
+    after ``syncs`` weight loads, in its first incarnation only: the worker Ray restarts runs
+    normally. It dies at its first request after them (under ``sync`` that is step 2's
+    generation, after step 1's weights; under one_step_off step 1's, its first sync coming
+    before step 1), or ``in_sync``: halfway through the next weight load, after its first
+    bucket."""
 
-    def __init__(self, engine: RolloutBackend, syncs: int = 1) -> None:
-        self.engine, self.syncs = engine, syncs
+    def __init__(self, engine: RolloutBackend, syncs: int = 1, in_sync: bool = False) -> None:
+        self.engine, self.syncs, self.in_sync = engine, syncs, in_sync
 
-    async def generate(self, prompt_ids, params, request_id):
+    @staticmethod
+    def _die() -> None:
         import os
         import signal
 
         import ray
 
-        if self.syncs <= 0 and not ray.get_runtime_context().was_current_actor_reconstructed:
+        if not ray.get_runtime_context().was_current_actor_reconstructed:
             os.kill(os.getpid(), signal.SIGKILL)
+
+    async def generate(self, prompt_ids, params, request_id):
+        if self.syncs <= 0 and not self.in_sync:
+            self._die()
         return await self.engine.generate(prompt_ids, params, request_id)
 
-    async def update_weights(self, state_dict):
+    async def update_weights(self, buckets):
         self.syncs -= 1
-        await self.engine.update_weights(state_dict)
+        await self.engine.update_weights(self._watched(buckets))
+
+    async def _watched(self, buckets):
+        async for index, bucket in _enumerate(buckets):
+            if self.syncs < 0 and self.in_sync and index == 1:
+                self._die()
+            yield bucket
 
     async def pause(self):
         await self.engine.pause()
@@ -179,6 +195,13 @@ class DiesAfterSyncs(RolloutBackend):
 
     async def shutdown(self):
         await self.engine.shutdown()
+
+
+async def _enumerate(items):
+    index = 0
+    async for item in items:
+        yield index, item
+        index += 1
 
 
 class HeldFactory:
@@ -207,6 +230,7 @@ class _HeldPlugin:
         register(HELD, HeldFactory("hf"))
         register(HELD_VLLM, HeldFactory("vllm"))  # built only where vllm is installed
         register(DYING, HeldFactory("hf", DiesAfterSyncs))
+        register(DYING_IN_SYNC, HeldFactory("hf", functools.partial(DiesAfterSyncs, syncs=0, in_sync=True)))
 
 
 def register_held_backend() -> None:

@@ -20,16 +20,40 @@ RUN = ("trainer.total_training_steps=2", "trainer.test_freq=0")
 SAME = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/entropy", "training/staleness")
 
 
-@pytest.mark.parametrize("schedule", ["sync", "one_step_off"])
-def test_a_rollout_worker_killed_mid_generation_is_restarted_and_the_run_unchanged(
-    ray_session, held_backend, task_dir, tmp_path, schedule
+@pytest.fixture(scope="module")
+def uninterrupted(task_dir, tmp_path_factory):
+    """The metrics of a run with no fault, once per schedule."""
+    runs = {}
+
+    def run(*args):
+        if args not in runs:
+            directory = tmp_path_factory.mktemp("whole")
+            train(task_dir, directory, *RUN, *args)
+            runs[args] = metrics(directory / "run")
+        return runs[args]
+
+    return run
+
+
+@pytest.mark.parametrize(
+    ("schedule", "backend", "noticed"),
+    [
+        ("sync", "dying_hf", "while generating"),
+        ("one_step_off", "dying_hf", "while generating"),
+        ("one_step_off", "dying_in_sync_hf", "during a weight sync"),
+    ],
+)
+def test_a_rollout_worker_killed_mid_generation_or_mid_sync_is_restarted_and_the_run_unchanged(
+    ray_session, held_backend, task_dir, tmp_path, uninterrupted, schedule, backend, noticed
 ):
-    schedule = f"trainer.schedule={schedule}"
-    train(task_dir, tmp_path / "whole", *RUN, schedule)
-    with pytest.warns(RuntimeWarning, match=r"rollout worker 0 \(pid \d+ on node .*\) was lost at step \d, noticed "):
-        trainer, _ = train(task_dir, tmp_path / "killed", *RUN, schedule, "rollout.backend=dying_hf")
+    """Weights go in buckets of 0.5 MiB, so a worker killed in a sync dies with some loaded."""
+    schedule, buckets = f"trainer.schedule={schedule}", "rollout.update_weights_bucket_megabytes=0.5"
+    whole = uninterrupted(schedule, buckets)
+    lost = rf"rollout worker 0 \(pid \d+ on node .*\) was lost at step \d, noticed {noticed}"
+    with pytest.warns(RuntimeWarning, match=lost):
+        trainer, _ = train(task_dir, tmp_path / "killed", *RUN, schedule, buckets, f"rollout.backend={backend}")
     assert trainer.rollout.restarts == 1
-    whole, killed = (metrics(tmp_path / run / "run") for run in ("whole", "killed"))
+    killed = metrics(tmp_path / "killed" / "run")
     assert [row["step"] for row in killed] == [1, 2]
     for a, b in zip(whole, killed, strict=True):
         for key in (k for k in SAME if k in a):

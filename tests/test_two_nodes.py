@@ -9,86 +9,32 @@ Giving a process its own mount namespace needs CAP_SYS_ADMIN (CI runs as root); 
 tests skip and say so.
 """
 
-import json
-import os
-import shlex
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from ray_nodes import namespaces_refused, node_env, two_nodes
 from training import metrics, overrides
 
-RAY = Path(sys.executable).parent / "ray"
 SKIP = Path(sys.executable).parent / "skip"
 PLACED = ("resources.rollout.ray_resources={node_b:1}", "resources.actor.ray_resources={node_a:1}")
-# Token authentication would need the token on both nodes and the driver; the cluster is this machine's.
-ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-
-
-def _namespaces_allowed() -> str | None:
-    if shutil.which("unshare") is None or shutil.which("nsenter") is None:
-        return "unshare and nsenter (util-linux) are not installed"
-    done = subprocess.run(["unshare", "--mount", "true"], capture_output=True, text=True, check=False)
-    return None if done.returncode == 0 else f"unshare --mount is refused here: {done.stderr.strip()}"
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _node(directory: Path, name: str, *args: str) -> subprocess.Popen:
-    """``ray start --block`` in a new mount namespace with a tmpfs over /dev/shm and its temp dir."""
-    private = directory / name
-    private.mkdir(parents=True)
-    script = (
-        f"mount -t tmpfs -o size=2g tmpfs /dev/shm && mount -t tmpfs tmpfs {private} && exec {RAY} start --block "
-        f"--temp-dir={private} --num-cpus=1 --object-store-memory=500000000 --disable-usage-stats {shlex.join(args)}"
-    )
-    log = (directory / f"{name}.log").open("w")
-    command = ["unshare", "--mount", "--propagation", "private", "bash", "-c", script]
-    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=ENV)
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    why = _namespaces_allowed()
+    why = namespaces_refused()
     if why is not None:
         pytest.skip(f"two Ray nodes need a mount namespace each: {why}")
-    directory = tmp_path_factory.mktemp("nodes")
-    address = f"127.0.0.1:{_free_port()}"
-    head = _node(directory, "a", "--head", f"--port={address.split(':')[1]}", "--include-dashboard=false",
-                 "--resources=" + json.dumps({"node_a": 1}))  # fmt: skip
-    nodes = [head]
-    try:
-        _wait_for(head, directory / "a.log")
-        nodes.append(_node(directory, "b", f"--address={address}", "--resources=" + json.dumps({"node_b": 1})))
-        _wait_for(nodes[1], directory / "b.log")
-        yield head.pid, address
-    finally:
-        for node in reversed(nodes):
-            node.send_signal(signal.SIGTERM)
-            node.wait(timeout=60)
-
-
-def _wait_for(node: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + 120
-    while "Ray runtime started" not in log.read_text(errors="replace"):
-        assert node.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
-        time.sleep(0.2)
+    with two_nodes(tmp_path_factory.mktemp("nodes")) as nodes:
+        yield nodes
 
 
 def skip_run(cluster, task_dir, tmp_path, *more) -> str:
     """``RAY_ADDRESS=... skip run`` on the head node, the rollout pool on the worker node."""
     head, address = cluster
     command = ["nsenter", f"--mount=/proc/{head}/ns/mnt", str(SKIP), "run", *overrides(task_dir, tmp_path, *more)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**ENV, "RAY_ADDRESS": address})
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=node_env(address))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
 

@@ -4,14 +4,16 @@ Backends register through ``skip_register_backends``; ``rollout.backend=<name>``
 The agent loop sends one request per turn, many at once; a backend batches them itself.
 
 Cancelling the task awaiting ``generate`` aborts that request: the agent loop relies on it
-to enforce timeouts. ``pause``/``resume`` let an asynchronous schedule swap weights under
-requests in flight (partial rollout); a backend that cannot says so when they are called.
+to enforce timeouts. Weights arrive in buckets (parts of the state dict, together the whole
+model once), so neither side holds a second copy of the model. ``pause``/``resume`` let an
+asynchronous schedule swap weights under requests in flight (partial rollout); a backend that
+cannot says so when they are called.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -70,8 +72,9 @@ class RolloutBackend(ABC):
         """Generate ``params.n`` completions of ``prompt_ids``."""
 
     @abstractmethod
-    async def update_weights(self, state_dict: Mapping[str, Any]) -> None:
-        """Load new policy weights from the trainer, in place, between forward passes."""
+    async def update_weights(self, buckets: AsyncIterable[Mapping[str, Any]]) -> None:
+        """Load new policy weights from the trainer, in place, between forward passes: each
+        bucket maps names to tensors, read once (the caller frees it when asked for the next)."""
 
     @abstractmethod
     async def sleep(self) -> None:
@@ -129,3 +132,21 @@ def local_model_dir(path: Any) -> Path:
     if path is None or not (Path(path).expanduser() / "config.json").is_file():
         raise ConfigError(f"model.path: {path!r} is not a local Hugging Face model directory (no config.json)")
     return Path(path).expanduser()
+
+
+async def one_bucket(state_dict: Mapping[str, Any]) -> AsyncIterator[Mapping[str, Any]]:
+    """A whole state dict as the buckets ``update_weights`` reads."""
+    yield state_dict
+
+
+def untied(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """One name per tensor: a tied LM head is the embedding under a second name, which engines
+    tie again themselves (and safetensors refuses)."""
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    tensors = {}
+    for name, tensor in state_dict.items():
+        key = (tensor.data_ptr(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            tensors[name] = tensor
+    return tensors

@@ -15,7 +15,7 @@ import asyncio
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -127,10 +127,11 @@ class HFBackend(RolloutBackend):
             "tokens": s.tokens_generated,
         }
 
-    async def update_weights(self, state_dict: Mapping[str, Any]) -> None:
+    async def update_weights(self, buckets: AsyncIterable[Mapping[str, Any]]) -> None:
         if self._closed:
             raise RuntimeError("hf backend: update_weights after shutdown()")
-        await self._call(self._load, state_dict)
+        async for bucket in buckets:
+            await self._call(self._load, bucket)
 
     async def sleep(self) -> None:
         if self._busy():

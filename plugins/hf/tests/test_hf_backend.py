@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 from omegaconf import OmegaConf
-from skip_core.backend import Generation, SamplingParams, create_backend
+from skip_core.backend import Generation, SamplingParams, create_backend, one_bucket
 from skip_core.config import ConfigError
 from skip_core.plugins import registry
 from skip_core.sections import Sections, parse_sections
@@ -558,7 +558,7 @@ def test_pause_aborts_running_requests_with_their_tokens_and_holds_new_ones_unti
         await asyncio.sleep(0)  # one turn: it is queued, and an engine that ignored the pause is woken
         # The update's round trip to the worker thread gives that engine its turn first: it would
         # have taken a wave (counted before its first await) by the time the update returns.
-        await backend.update_weights(state)
+        await backend.update_weights(one_bucket(state))
         assert not waiting.done() and backend.stats.rows_per_prefill == [1]
         await backend.resume()
         return await running, await waiting
@@ -615,7 +615,7 @@ def test_update_weights_makes_the_backend_generate_like_the_other_model(tiny_hf_
     [target] = generate(other, prompt, max_new_tokens=12, temperature=0)
     assert before.token_ids != target.token_ids
     state = {name: tensor.to(torch.float64) for name, tensor in other.model.state_dict().items()}
-    asyncio.run(backend.update_weights(state))
+    asyncio.run(backend.update_weights(one_bucket(state)))
     [after] = generate(backend, prompt, max_new_tokens=12, temperature=0)
     assert after.token_ids == target.token_ids
 
@@ -623,9 +623,9 @@ def test_update_weights_makes_the_backend_generate_like_the_other_model(tiny_hf_
 def test_update_weights_refuses_unknown_names_and_wrong_shapes(tiny_hf_model_dir):
     backend = make_backend(tiny_hf_model_dir)
     with pytest.raises(KeyError, match=r"no weights named not\.a\.weight"):
-        asyncio.run(backend.update_weights({"not.a.weight": torch.zeros(1)}))
+        asyncio.run(backend.update_weights(one_bucket({"not.a.weight": torch.zeros(1)})))
     with pytest.raises(ValueError, match=r"lm_head\.weight has shape"):
-        asyncio.run(backend.update_weights({"lm_head.weight": torch.zeros(3, 3)}))
+        asyncio.run(backend.update_weights(one_bucket({"lm_head.weight": torch.zeros(3, 3)})))
 
 
 def test_a_sleeping_backend_refuses_requests_until_woken(tiny_hf_model_dir):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,13 +51,17 @@ class SGLangBackend(RolloutBackend):
         outputs = outputs if isinstance(outputs, list) else [outputs]
         return [_generation(output, request_id) for output in outputs]
 
-    async def update_weights(self, state_dict: Mapping[str, Any]) -> None:
+    async def update_weights(self, buckets: AsyncIterable[Mapping[str, Any]]) -> None:
+        if self._closed:
+            raise RuntimeError("sglang backend: update_weights after shutdown()")
+        async for bucket in buckets:
+            await self._load(bucket)
+
+    async def _load(self, bucket: Mapping[str, Any]) -> None:
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
         from sglang.srt.utils import MultiprocessingSerializer
 
-        if self._closed:
-            raise RuntimeError("sglang backend: update_weights after shutdown()")
-        named = [(name, tensor.detach()) for name, tensor in state_dict.items()]
+        named = [(name, tensor.detach()) for name, tensor in bucket.items()]
         request = UpdateWeightsFromTensorReqInput(
             serialized_named_tensors=[MultiprocessingSerializer.serialize(named) for _ in range(self.options.tp_size)],
             load_format=None,

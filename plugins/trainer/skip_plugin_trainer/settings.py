@@ -124,6 +124,9 @@ class RolloutConfig(Sampling):
     stop_token_ids: list[int] = []
     multi_turn: MultiTurn = MultiTurn()
     val_kwargs: Sampling = Sampling(temperature=0.0)
+    # A weight sync sends the model in buckets of this many MiB (verl's key): each side holds
+    # about two at a time, not a second copy of the model.
+    update_weights_bucket_megabytes: PositiveFloat = 512
 
 
 class LoopConfig(RolloutConfig):

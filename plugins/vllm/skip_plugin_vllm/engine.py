@@ -15,14 +15,15 @@ import itertools
 import logging
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from skip_core.backend import FinishReason, Generation, RolloutBackend, SamplingParams
+from skip_core.backend import FinishReason, Generation, RolloutBackend, SamplingParams, untied
 from skip_core.loop_thread import LoopThread
 
 from skip_plugin_vllm.options import VLLMOptions
+from skip_plugin_vllm.worker import bucket_file
 
 log = logging.getLogger(__name__)
 SHARED_MEMORY = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -61,17 +62,20 @@ class VLLMBackend(RolloutBackend):
             raise RuntimeError(f"vllm backend: request {request_id!r}: {exc}") from exc
         return [_generation(out, request_id) for out in sorted(final.outputs, key=lambda out: out.index)]
 
-    async def update_weights(self, state_dict: Mapping[str, Any]) -> None:
-        from safetensors.torch import save_file
-
+    async def update_weights(self, buckets: AsyncIterable[Mapping[str, Any]]) -> None:
         if self._closed:
             raise RuntimeError("vllm backend: update_weights after shutdown()")
-        # The weights go through a file in shared memory, read memory-mapped by the workers:
-        # collective_rpc would turn tensors into lists, and pushes bytes through its queues slowly.
+        # Each bucket goes through a file in shared memory, which the engine's workers read while
+        # the next one is written: collective_rpc would turn tensors into lists, and pushes bytes
+        # through its queues slowly. One reload takes them all, as a checkpoint load would.
         with tempfile.TemporaryDirectory(prefix="skip-vllm-weights-", dir=SHARED_MEMORY) as directory:
-            path = os.path.join(directory, "model.safetensors")
-            await asyncio.to_thread(save_file, _untied(state_dict), path)
-            await self._loop.run_async(self.engine.collective_rpc("skip_load_weights", args=(path,)))
+            rpc = self.engine.collective_rpc("skip_load_weights", args=(directory,))
+            loading = asyncio.ensure_future(self._loop.run_async(rpc))
+            try:
+                await _write_buckets(buckets, Path(directory), loading)
+                await loading
+            finally:
+                loading.cancel()
         # Cached prefixes hold keys and values computed with the old weights.
         await self._loop.run_async(self.engine.reset_prefix_cache())
 
@@ -149,6 +153,25 @@ def _sampling(params: SamplingParams) -> Any:
     )
 
 
+async def _write_buckets(buckets: AsyncIterable[Mapping[str, Any]], directory: Path, loading: asyncio.Future) -> None:
+    """Bucket k as ``k.safetensors`` (renamed into place whole), once the workers took bucket
+    k-1: at most two buckets wait in shared memory. ``end`` says there are no more."""
+    from safetensors.torch import save_file
+
+    index = 0
+    async for bucket in buckets:
+        part = directory / "part"
+        tensors = {name: tensor.detach().contiguous() for name, tensor in untied(bucket).items()}
+        await asyncio.to_thread(save_file, tensors, part)
+        part.rename(bucket_file(directory, index))
+        while bucket_file(directory, index - 1).exists() and not loading.done():
+            await asyncio.sleep(0.002)
+        if loading.done():
+            loading.result()  # the workers' error
+        index += 1
+    (directory / "end").touch()
+
+
 def _generation(out: Any, request_id: str) -> Generation:
     reason = FINISH_REASONS.get(out.finish_reason)
     if reason is None:
@@ -156,16 +179,3 @@ def _generation(out: Any, request_id: str) -> Generation:
     token_ids = list(out.token_ids)
     log_probs = [position[token].logprob for token, position in zip(token_ids, out.logprobs or [], strict=True)]
     return Generation(token_ids, log_probs, reason)
-
-
-def _untied(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """One name per tensor storage: safetensors refuses tied weights (an LM head sharing the
-    embedding), and vLLM ties them again itself."""
-    seen: set[tuple[int, int]] = set()
-    tensors = {}
-    for name, tensor in state_dict.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        if key not in seen:
-            seen.add(key)
-            tensors[name] = tensor.detach().contiguous()
-    return tensors

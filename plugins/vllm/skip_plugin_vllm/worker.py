@@ -2,27 +2,60 @@
 
 from __future__ import annotations
 
+import itertools
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+ARRIVAL_TIMEOUT_S = 600  # the sender gets each bucket from the trainer, across the cluster
+
 
 class WeightLoader:
     """Loads the trainer's weights in place.
 
     ``collective_rpc`` ships its arguments with msgpack, which turns a dict of tensors into nested
-    lists: the weights come as a safetensors file in shared memory, read memory-mapped.
-    ``reload_weights`` (not ``model.load_weights``) re-runs the post-load processing, which the CPU
-    kernels need because they repack weights after loading; it also fuses QKV and gate/up as a
-    checkpoint load does.
+    lists: the weights come as safetensors files in shared memory, one per bucket, read as they
+    arrive. ``reload_weights`` (not ``model.load_weights``) re-runs the post-load processing, which
+    the CPU kernels need because they repack weights after loading; it also fuses QKV and gate/up
+    as a checkpoint load does, whichever buckets a layer's tensors came in.
     """
 
-    def skip_load_weights(self, path: str) -> int:
+    def skip_load_weights(self, directory: str) -> int:
         from safetensors.torch import load_file
 
-        tensors = load_file(path)
+        loaded = 0
+
+        def tensors():
+            nonlocal loaded
+            for path in _arrivals(Path(directory)):
+                bucket = load_file(path)
+                path.unlink()  # the sender writes the next bucket once this one is gone
+                loaded += len(bucket)
+                yield from bucket.items()
+
         model = self.model_runner.get_model()
         embedding = _tied_embedding(model)
-        self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
+        self.model_runner.reload_weights(weights_iterator=tensors())
         if embedding is not None:
             _retie(model.lm_head, embedding)
-        return len(tensors)
+        return loaded
+
+
+def bucket_file(directory: Path, index: int) -> Path:
+    return directory / f"{index:06d}.safetensors"
+
+
+def _arrivals(directory: Path) -> Iterator[Path]:
+    """The bucket files in order, each once it is there, until ``end`` says there are no more."""
+    for index in itertools.count():
+        path, waited = bucket_file(directory, index), time.monotonic()
+        while not path.exists():
+            if (directory / "end").exists():
+                return
+            if time.monotonic() - waited > ARRIVAL_TIMEOUT_S:
+                raise TimeoutError(f"weight bucket {index} did not arrive in {directory} in {ARRIVAL_TIMEOUT_S} s")
+            time.sleep(0.002)
+        yield path
 
 
 def _retie(head, embedding) -> None:

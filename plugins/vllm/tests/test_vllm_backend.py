@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 from safetensors.torch import load_file
-from skip_core.backend import SamplingParams, check_backend, create_backend
+from skip_core.backend import SamplingParams, check_backend, create_backend, one_bucket
 from skip_core.batch import Batch
 from skip_core.config import ConfigError
 from skip_core.plugins import registry
@@ -95,15 +95,23 @@ def noisy(tiny_model_dir):
 
 @contextmanager
 def weights(loop, state, *backends):
-    """The backends hold ``state`` inside the block, the model's own weights again after it."""
+    """The backends hold ``state`` inside the block, the model's own weights again after it.
+    ``state`` goes in buckets of three tensors, so a layer's q, k and v (which vLLM fuses)
+    arrive in different ones."""
     original = load_file(backends[0].model_dir / "model.safetensors")
     try:
         for backend in backends:
-            loop(backend.update_weights(state))
+            loop(backend.update_weights(in_buckets(state, 3)))
         yield
     finally:
         for backend in backends:
-            loop(backend.update_weights(original))
+            loop(backend.update_weights(one_bucket(original)))
+
+
+async def in_buckets(state, size):
+    names = list(state)
+    for start in range(0, len(names), size):
+        yield {name: state[name] for name in names[start : start + size]}
 
 
 def generate_all(loop, backend, prompts, params):

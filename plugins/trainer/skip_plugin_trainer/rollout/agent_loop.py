@@ -31,6 +31,7 @@ from skip_plugin_trainer.rollout.chat import ChatFormat
 from skip_plugin_trainer.rollout.padding import pad_requests
 from skip_plugin_trainer.rollout.request import Request, State
 from skip_plugin_trainer.rollout.tools import Tool, ToolCall, ToolParser, ToolResponse
+from skip_plugin_trainer.rollout.weights import EngineWeights
 from skip_plugin_trainer.settings import LoopConfig, Sampling
 
 T = TypeVar("T")
@@ -60,10 +61,7 @@ class AgentLoop:
         self.tools = dict(tools or {})
         self.parser = parser
         self.rollouts = 0  # batches really generated: a skip cache hit never reaches the loop
-        self.weight_version = 0  # the trainer step whose weights the engine holds
-        self._pauses = 0  # how many times update_weights paused the engine under running requests
-        self._weights_ready = asyncio.Event()  # clear while an interrupting update runs
-        self._weights_ready.set()
+        self.weights = EngineWeights(backend)
         self._loop = LoopThread("skip-agent-loop")
 
     # -- public entry points: the units skip roles replace --------------------------------
@@ -79,25 +77,18 @@ class AgentLoop:
         return await self._loop.run_async(self._generate(prompts, sample_key=sample_id))
 
     def update_weights(self, state_dict: Mapping[str, Any], version: int = 0, interrupt: bool = False) -> None:
-        """Load the trainer's weights of step ``version``. ``interrupt``: pause the engine under
-        the requests in flight (they continue from their tokens so far with these weights)
+        """Load the trainer's weights of step ``version``, whole. ``interrupt``: pause the engine
+        under the requests in flight (they continue from their tokens so far with these weights)
         instead of requiring that none runs."""
-        self._loop.run(self._update_weights(state_dict, version, interrupt))
+        self.load_weights_bucket(state_dict, 0, 1, version, interrupt)
 
-    async def _update_weights(self, state_dict: Mapping[str, Any], version: int, interrupt: bool) -> None:
-        if not interrupt:
-            await self.backend.update_weights(state_dict)
-            self.weight_version = version
-            return
-        self._pauses += 1
-        self._weights_ready.clear()
-        await self.backend.pause()
-        try:
-            await self.backend.update_weights(state_dict)
-            self.weight_version = version
-        finally:
-            self._weights_ready.set()
-            await self.backend.resume()
+    def load_weights_bucket(
+        self, bucket: Mapping[str, Any], index: int, count: int, version: int, interrupt: bool
+    ) -> None:
+        """Bucket ``index`` of ``count`` of the weights of step ``version``: the first starts the
+        backend's load (pausing it, with ``interrupt``), the last finishes it. Returns once the
+        backend is done with the bucket, which the caller may then free."""
+        self._loop.run(self.weights.load_bucket(bucket, index, count, version, interrupt))
 
     def sleep(self) -> None:
         self._loop.run(self.backend.sleep())
@@ -242,13 +233,13 @@ class AgentLoop:
         tokens: list[int] = []
         log_probs: list[float] = []
         while True:
-            pauses = self._pauses
+            pauses = self.weights.pauses
             generation = await self._generate_once(request, sampling, ids + tokens, budget - len(tokens), where)
             tokens += generation.token_ids
             log_probs += generation.log_probs
             if generation.finish_reason != "abort":
                 return Generation(tokens, log_probs, generation.finish_reason)
-            if self._pauses == pauses:  # not our pause: the engine gave up on the request
+            if self.weights.pauses == pauses:  # not our pause: the engine gave up on the request
                 request.error = "aborted by the backend"
                 raise RolloutError(f"{where}: {request.error}")
             request.interruptions += 1
@@ -267,8 +258,8 @@ class AgentLoop:
             stop_token_ids=(*self.config.stop_token_ids, self.tokenizer.eos_token_id),
             seed=None if request.seed is None else request.seed + request.turns + request.interruptions,
         )
-        await self._weights_ready.wait()  # a call made during an update runs (and counts) with the new weights
-        request.weight_versions.append(self.weight_version)
+        await self.weights.ready.wait()  # a call made during an update runs (and counts) with the new weights
+        request.weight_versions.append(self.weights.version)
         try:
             with spans.span("generate", tokens_in=len(ids)) as span:
                 call = self.backend.generate(ids, params, request.request_id)

@@ -14,9 +14,11 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+from skip_core.backend import untied
 from skip_core.batch import Batch
 
 from skip_plugin_trainer.algorithm_settings import ActorConfig
+from skip_plugin_trainer.rollout.weights import Bucket, pack, plan
 from skip_plugin_trainer.train.algorithm import (
     agg_loss,
     entropy_from_logits,
@@ -58,6 +60,8 @@ class Policy(Located):
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
         )
+        self._published: dict[str, torch.Tensor] = {}  # the weights being synced, by ``publish_weights``
+        self._buckets: list[list[str]] = []
 
     # -- what the trainer calls --------------------------------------------------------
 
@@ -90,6 +94,21 @@ class Policy(Located):
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Weights for the rollout engine (tied tensors appear under each name, as HF lists them)."""
         return {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
+
+    def publish_weights(self, megabytes: float, keep: bool) -> int:
+        """Make the current weights the ones ``weight_bucket`` sends, in buckets of ``megabytes``;
+        returns how many. ``keep`` snapshots them: an overlapped schedule trains on while they
+        are sent, and a rollout worker restarted later must get these, not newer ones."""
+        tensors = untied(self.model.state_dict())
+        if keep:
+            tensors = {name: tensor.detach().clone() for name, tensor in tensors.items()}
+        self._published = tensors
+        self._buckets = plan(((name, t.numel() * t.element_size()) for name, t in tensors.items()), megabytes)
+        return len(self._buckets)
+
+    def weight_bucket(self, index: int) -> Bucket:
+        """Bucket ``index`` of the published weights, packed for the object store."""
+        return pack({name: self._published[name] for name in self._buckets[index]})
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         return self.state_dict(), self.optimizer.state_dict()

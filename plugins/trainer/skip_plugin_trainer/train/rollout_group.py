@@ -7,6 +7,9 @@ engine loads the model from disk. The group then gives it the weights of the las
 anything else, and asks it again for what it was doing. A batch part is seeded by its rows, so
 the redone part is the one an uninterrupted run gets. A worker Ray cannot restart is a
 ``WorkerLost``, which names it.
+
+Weights move in buckets (``rollout/weights.py``): the actor puts each into the object store once,
+one bucket ahead of the workers loading the one before, so a sync holds two buckets at most.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import asyncio
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import ray
@@ -32,6 +35,27 @@ RESTART_TIMEOUT_S = 600  # a restarted worker loads its engine; vLLM on CPU take
 
 class WorkerLost(RuntimeError):
     """A Ray worker of the run died and was not restarted; the message names it and where it ran."""
+
+
+class WeightSource:
+    """The actor's weights of the last sync, as buckets of ``megabytes`` (``keep``: snapshotted,
+    for a schedule that trains while they are sent)."""
+
+    def __init__(self, actor: Any, megabytes: float, keep: bool) -> None:
+        self.actor, self.megabytes, self.keep = actor, megabytes, keep
+        self.version = 0
+        self.count = 0
+
+    def publish(self, version: int) -> None:
+        self.count = ray.get(self.actor.publish_weights.remote(self.megabytes, self.keep))
+        self.version = version
+
+    def buckets(self) -> Iterator[tuple[int, Any]]:
+        """Each bucket's object ref, the next one asked of the actor before this one is used."""
+        ahead = self.actor.weight_bucket.remote(0) if self.count else None
+        for index in range(self.count):
+            ref, ahead = ahead, self.actor.weight_bucket.remote(index + 1) if index + 1 < self.count else None
+            yield index, ref
 
 
 class RolloutGroup:
@@ -51,15 +75,15 @@ class RolloutGroup:
         self._step = 0  # of the last generation: the step a lost worker is named at
         self._turn = 0
         self._lock = threading.Lock()
-        self._weights: tuple[Any, int] | None = None  # (object ref, step) of the last sync
+        self._weights: WeightSource | None = None  # of the last sync
         self._where: list[Any] = []  # each worker's answer to ``where``: the process to name if it is lost
-        self._recovering: list[threading.Lock] = []
+        self._recovering: list[threading.RLock] = []  # a worker lost again while it is given the weights
         if started:
             self._use(spawn())
 
     def _use(self, workers: list[Any]) -> None:
         self._where = [worker.where.remote() for worker in workers]
-        self._recovering = [threading.Lock() for _ in workers]
+        self._recovering = [threading.RLock() for _ in workers]
         self.workers = workers
 
     def _started(self, prompts: Batch) -> list[Any]:
@@ -74,9 +98,8 @@ class RolloutGroup:
             with spans.span("engine_start"):
                 workers = self._spawn()
                 ray.get([worker.__ray_ready__.remote() for worker in workers])
-                if self._weights is not None:
-                    ray.get([worker.update_weights.remote(*self._weights, False) for worker in workers])
-            self._use(workers)
+                self._use(workers)
+                self._push(range(len(workers)), False, "while it was given the weights")
             return workers
 
     @SkipManager.annotate(role="rollout")
@@ -89,7 +112,9 @@ class RolloutGroup:
         for rank, part in enumerate(parts):
             part.meta_info = {**prompts.meta_info, "index_base": base + rank * len(part)}
         self._step = prompts.meta_info.get("global_steps", self._step)
-        outputs = self._gather("generate_sequences", [(part,) for part in parts], "while generating", barrier=True)
+        calls = {rank: (part,) for rank, part in enumerate(parts)}
+        done = self._gather("generate_sequences", calls, "while generating", barrier=True)
+        outputs = [done[rank] for rank in range(len(parts))]
         with spans.span("batch_construction", workers=len(outputs)):
             merged = Batch.concat(outputs)
             merged.meta_info = {"rollout": merge_rollout_stats([out.meta_info["rollout"] for out in outputs])}
@@ -112,16 +137,15 @@ class RolloutGroup:
                 await asyncio.to_thread(self._recover, rank, exc, f"while generating {sample_id}")
 
     def _gather(
-        self, method: str, args: Sequence[tuple], what: str, redo: bool = True, barrier: bool = False
-    ) -> list[Any]:
-        """``method(*args[rank])`` on every worker, the results in rank order; with ``barrier``
-        each worker's wait for the slowest is a ``barrier_wait`` span. A lost worker is restarted
-        and, with ``redo``, asked again."""
-        refs = [getattr(worker, method).remote(*a) for worker, a in zip(self.workers, args, strict=True)]
-        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        self, method: str, calls: Mapping[int, tuple], what: str, redo: bool = True, barrier: bool = False
+    ) -> dict[int, Any]:
+        """``method(*calls[rank])`` on those workers, the results by rank; with ``barrier`` each
+        worker's wait for the slowest is a ``barrier_wait`` span. A lost worker is restarted and,
+        with ``redo``, asked again; without, its rank is missing from the results."""
+        rank_of = {getattr(self.workers[rank], method).remote(*args): rank for rank, args in calls.items()}
         arrived: dict[int, float] = {}
-        results: list[Any] = [None] * len(refs)
-        pending = list(refs)
+        results: dict[int, Any] = {}
+        pending = list(rank_of)
         while pending:
             (ref,), pending = ray.wait(pending, num_returns=1)
             rank = rank_of[ref]
@@ -130,16 +154,27 @@ class RolloutGroup:
             except RayActorError as exc:
                 self._recover(rank, exc, what)
                 if redo:
-                    retry = getattr(self.workers[rank], method).remote(*args[rank])
+                    retry = getattr(self.workers[rank], method).remote(*calls[rank])
                     rank_of[retry] = rank
                     pending.append(retry)
-                    continue
+                continue
             arrived[rank] = time.time()
-        if barrier:
+        if barrier and arrived:
             last = max(arrived.values())
             for rank, at in arrived.items():
                 spans.record("barrier_wait", at, last, workid=rank)
         return results
+
+    def _push(self, ranks: Iterable[int], interrupt: bool, what: str) -> None:
+        """The weights of the last sync to workers ``ranks``, bucket by bucket. A worker lost on the
+        way got them whole when it was restarted, and takes no more buckets of this push."""
+        source, ranks = self._weights, list(ranks)
+        if source is None:
+            return
+        for index, ref in source.buckets():
+            args = (ref, index, source.count, source.version, interrupt)
+            done = self._gather("load_weights_bucket", dict.fromkeys(ranks, args), what, redo=False)
+            ranks = [rank for rank in ranks if rank in done]
 
     def _recover(self, rank: int, error: Exception, what: str) -> None:
         """Wait for Ray to restart worker ``rank``, then give it the weights of the last sync.
@@ -162,10 +197,9 @@ class RolloutGroup:
             if where == lost:  # alive all along (a transient loss), or restored by another call
                 return
             self._where[rank] = now
-            if self._weights is not None:
-                ray.get(worker.update_weights.remote(*self._weights, False))
+            self._push([rank], False, "while it was given the weights after a restart")
             self.restarts += 1
-            version = 0 if self._weights is None else self._weights[1]
+            version = 0 if self._weights is None else self._weights.version
             warnings.warn(
                 f"rollout worker {rank} ({lost}) was lost at step {self._step}, noticed {what}; Ray restarted "
                 f"it ({where}), which loaded the weights of step {version} and takes up its work again",
@@ -173,27 +207,23 @@ class RolloutGroup:
                 stacklevel=2,
             )
 
-    def update_weights(self, state_dict: Any, version: int, interrupt: bool = False) -> None:
-        """Push the weights of step ``version`` (a Ray object ref is fetched once per worker, not
-        per call); ``interrupt`` pauses generations in flight instead of requiring none. The ref
-        is kept: a worker started or restarted later loads it first."""
+    def update_weights(self, source: WeightSource, version: int, interrupt: bool = False) -> None:
+        """Send the actor's weights of step ``version``; ``interrupt`` pauses generations in
+        flight instead of requiring none. They stay published: a worker started or restarted
+        later loads them first."""
+        source.publish(version)
         with self._lock:
-            self._weights = (state_dict, version)
+            self._weights = source
             if not self.workers:
                 return
         with spans.span("weight_sync"):
-            # A worker lost here is restarted and loads these weights in ``_recover``.
-            self._gather(
-                "update_weights",
-                [(state_dict, version, interrupt)] * len(self.workers),
-                "during a weight sync",
-                redo=False,
-            )
+            self._push(range(len(self.workers)), interrupt, "during a weight sync")
 
     def engine_counters(self) -> dict[str, float]:
         """Every worker's engine counters (``RolloutBackend.counters``), summed."""
         total: dict[str, float] = {}
-        for counts in self._gather("engine_counters", [()] * len(self.workers), "while reading its counters"):
+        calls = dict.fromkeys(range(len(self.workers)), ())
+        for counts in self._gather("engine_counters", calls, "while reading its counters").values():
             for name, value in counts.items():
                 total[name] = total.get(name, 0.0) + value
         return total

@@ -287,7 +287,7 @@ class Trainer:
     def sync_weights(self, interrupt: bool = False) -> None:
         if not interrupt and any(not future.done() for future in self._in_flight):
             raise RuntimeError("sync_weights: a generation is in flight; wait for it first")
-        self.rollout.update_weights(self.actor.state_dict.remote(), self._actor_version, interrupt)
+        self.rollout.update_weights(self.cluster.weights, self._actor_version, interrupt)
         self._rollout_version = self._actor_version
 
     def after_update(self, record: StepRecord, interrupt: bool = False) -> None:

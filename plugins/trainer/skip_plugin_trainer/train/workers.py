@@ -22,11 +22,12 @@ from skip_core import spans
 from skip_core.batch import Batch
 from skip_core.config import ConfigError
 
+from skip_plugin_trainer.rollout.weights import Bucket, unpack
 from skip_plugin_trainer.settings import RolloutSettings, RunSettings
 from skip_plugin_trainer.train.critic import Critic
 from skip_plugin_trainer.train.located import Located
 from skip_plugin_trainer.train.policy import Policy
-from skip_plugin_trainer.train.rollout_group import RolloutGroup
+from skip_plugin_trainer.train.rollout_group import RolloutGroup, WeightSource
 
 POOL_TIMEOUT_S = 60
 STREAMED_PER_WORKER = 256
@@ -55,9 +56,9 @@ class RolloutWorker(Located):
         self.step = int(prompts.meta_info.get("global_steps", self.step))
         return self.loop.generate_sequences(prompts)
 
-    def update_weights(self, state_dict: Mapping[str, Any], version: int, interrupt: bool) -> None:
-        with spans.span("weight_sync", step=self.step):
-            self.loop.update_weights(state_dict, version, interrupt)
+    def load_weights_bucket(self, bucket: Bucket, index: int, count: int, version: int, interrupt: bool) -> None:
+        with spans.span("weight_sync", step=self.step, bucket=index):
+            self.loop.load_weights_bucket(unpack(bucket), index, count, version, interrupt)
 
     def engine_counters(self) -> dict[str, float]:
         return self.loop.backend.counters()
@@ -80,6 +81,7 @@ class Cluster:
         self.rollout: RolloutGroup | None = None
         self.actor: Any = None
         self.critic: Any = None
+        self.weights: WeightSource | None = None
         self._where: dict[str, tuple[str, Any]] = {}
 
     def start(self, settings: RunSettings, overlapped: bool, defer_rollout: bool = False) -> None:
@@ -135,6 +137,7 @@ class Cluster:
             )[-1:]
         # Both pools load their models side by side; the first step's timing is then the step's.
         ray.get([worker.__ray_ready__.remote() for pool in self.pools for worker in pool.actors])
+        self.weights = WeightSource(self.actor, settings.rollout.update_weights_bucket_megabytes, keep=overlapped)
         named = [("actor", self.actor), ("critic", self.critic)]
         self._where = {a._actor_id.hex(): (name, a.where.remote()) for name, a in named if a is not None}
 
