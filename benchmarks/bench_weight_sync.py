@@ -8,9 +8,12 @@ ahead). Beside it, in the same run, the raw transfer of the same bytes: ``ray.pu
 on node A, ``ray.get`` on node B and a copy into a preallocated buffer (what a load does).
 
 Both nodes run on this machine, each in its own mount namespace with a private /dev/shm (see
-tests/ray_nodes.py; needs root). Each configuration gets fresh processes, so the extra peak RSS
-(peak during the first sync minus the resident size before it, object-store pages included) is
-that of one sync.
+tests/ray_nodes.py; needs root). Each configuration gets fresh processes whose weights are made
+resident first, so the extra peak RSS (the peak during the first sync minus the resident size
+before it, object-store pages mapped by the process included) is what one sync adds. Pages of
+the object store a process has touched stay in its RSS after their object is freed, so that
+column counts every bucket a process saw; the object stores' own peak (sampled) counts what was
+held at once.
 
     python benchmarks/bench_weight_sync.py --rounds 3 --bucket-mb 512
 """
@@ -20,11 +23,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -76,6 +81,16 @@ def _pid(actor) -> int:
     return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
 
 
+def _touch(model) -> None:
+    """Make the model's pages resident and private (a loaded model may still be a file mapping,
+    whose pages a first sync would fault in and count as its own)."""
+    import torch
+
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0)
+
+
 def _status(pid: int, key: str) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(key + ":"):
@@ -101,6 +116,27 @@ class Peak:
         self.extra = {pid: _status(pid, "VmHWM") - self.before[pid] for pid in self.pids}
 
 
+class StorePeak:
+    """The most the object stores of both nodes held at once over a block, sampled (~0.1 s)."""
+
+    def __enter__(self) -> StorePeak:
+        self.peak, self._done = 0, threading.Event()
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._sampler.start()
+        return self
+
+    def _sample(self) -> None:
+        from ray._private.internal_api import memory_summary
+
+        while not self._done.is_set():
+            used = re.search(r"Plasma memory usage (\d+) MiB", memory_summary(stats_only=True))
+            self.peak = max(self.peak, int(used.group(1)) * MB if used else 0)
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._sampler.join()
+
+
 class Sender:
     def __init__(self, nbytes: int) -> None:
         import numpy as np
@@ -117,7 +153,7 @@ class Receiver:
     def __init__(self, nbytes: int) -> None:
         import numpy as np
 
-        self.buffer = np.zeros(nbytes, dtype=np.uint8)
+        self.buffer = np.ones(nbytes, dtype=np.uint8)  # resident, as an engine's weights are
 
     def get(self, refs: list) -> int:
         import numpy as np
@@ -133,16 +169,16 @@ def raw(nbytes: int, rounds: int) -> dict:
     sender = ray.remote(Sender).options(resources={"node_a": 0.01}).remote(nbytes)
     receiver = ray.remote(Receiver).options(resources={"node_b": 0.01}).remote(nbytes)
     pids = [_pid(sender), _pid(receiver)]
-    times, extra = [], None
+    times, extra, store = [], None, 0
     for _ in range(rounds):
-        with Peak(pids) as peak:
+        with Peak(pids) as peak, StorePeak() as stored:
             start = time.perf_counter()
             assert ray.get(receiver.get.remote(sender.put.remote())) == 1
             times.append(time.perf_counter() - start)
-        extra = extra or peak.extra
+        extra, store = extra or peak.extra, max(store, stored.peak)
     for actor in (sender, receiver):
         ray.kill(actor)
-    return {"times": times, "sender": extra[pids[0]], "receivers": [extra[pids[1]]]}
+    return {"times": times, "sender": extra[pids[0]], "receivers": [extra[pids[1]]], "store": store}
 
 
 def bucketed(model: Path, workers: int, megabytes: float, rounds: int) -> dict:
@@ -162,15 +198,17 @@ def bucketed(model: Path, workers: int, megabytes: float, rounds: int) -> dict:
     spawned = [remote.remote(settings, 1, rank) for rank in range(workers)]
     group = RolloutGroup(lambda: spawned)
     ray.get([w.__ray_ready__.remote() for w in [actor, *spawned]])
+    ray.get(actor.__ray_call__.remote(lambda policy: _touch(policy.model)))
+    ray.get([w.__ray_call__.remote(lambda worker: _touch(worker.loop.backend.model)) for w in spawned])
     source = WeightSource(actor, megabytes, keep=False)
     pids = [_pid(actor), *(_pid(w) for w in spawned)]
-    times, extra = [], None
+    times, extra, store = [], None, 0
     for version in range(1, rounds + 1):
-        with Peak(pids) as peak:
+        with Peak(pids) as peak, StorePeak() as stored:
             start = time.perf_counter()
             group.update_weights(source, version)
             times.append(time.perf_counter() - start)
-        extra = extra or peak.extra
+        extra, store = extra or peak.extra, max(store, stored.peak)
     group.shutdown()
     for a in [actor, *spawned]:
         ray.kill(a)
@@ -179,6 +217,7 @@ def bucketed(model: Path, workers: int, megabytes: float, rounds: int) -> dict:
         "sender": extra[pids[0]],
         "receivers": [extra[p] for p in pids[1:]],
         "buckets": source.count,
+        "store": store,
     }
 
 
@@ -199,7 +238,7 @@ def measure(args: argparse.Namespace) -> None:
         title=f"weight sync, {params / 1e6:.0f}M parameters ({nbytes / MB:.0f} MiB float32), node A -> node B"
     )
     for column in ("path", "workers", "buckets", "sync s (median)", "all rounds s", "x raw",
-                   "sender extra peak MiB", "receiver extra peak MiB (max)"):  # fmt: skip
+                   "object stores peak MiB", "sender extra RSS MiB", "receiver extra RSS MiB (max)"):  # fmt: skip
         table.add_column(column, justify="right" if column != "path" else "left")
     base = raw(nbytes, args.rounds)
     rows = [("raw ray.put / ray.get", 1, "-", base)]
@@ -216,6 +255,7 @@ def measure(args: argparse.Namespace) -> None:
             f"{median:.2f}",
             " ".join(f"{t:.2f}" for t in result["times"]),
             f"{median / raw_median:.2f}",
+            f"{result['store'] / MB:.0f}",
             f"{result['sender'] / MB:.0f}",
             f"{max(result['receivers']) / MB:.0f}",
         )

@@ -2,9 +2,9 @@
 
 A sync must cost neither a copy of the model per rollout worker nor the whole model at once on
 either side: at 0.5B-7B parameters that memory decides whether a node holds its engine. So the
-actor packs the tensors of one bucket (``rollout.update_weights_bucket_megabytes``, verl's name)
-into one flat byte array, a single object for Ray's object store (one copy per node, mapped by
-every worker there, never pickled tensor by tensor), and the engines load bucket after bucket.
+actor hands over the tensors of one bucket (``rollout.update_weights_bucket_megabytes``, verl's
+name) as one object for Ray's object store: one copy per node, mapped by every worker there, the
+tensors' bytes written and read without a copy. The engines load bucket after bucket.
 """
 
 from __future__ import annotations
@@ -18,25 +18,24 @@ import numpy as np
 import torch
 
 MEGABYTE = 1 << 20
-ALIGN = 64  # bytes, where each tensor of a bucket starts
 
 
 class TensorSpec(NamedTuple):
     name: str
     dtype: str  # a torch dtype's name: "float32", "bfloat16"
     shape: tuple[int, ...]
-    offset: int  # in bytes, into the bucket's array
 
 
 class Bucket(NamedTuple):
-    """Some of the model's tensors, their bytes back to back in ``data``."""
+    """Some of the model's tensors, each as its bytes: Ray writes numpy arrays straight into the
+    object store, with no copy in the sender's memory, and hands them out without one."""
 
     specs: tuple[TensorSpec, ...]
-    data: np.ndarray  # uint8
+    data: tuple[np.ndarray, ...]  # uint8, one per spec
 
     @property
     def nbytes(self) -> int:
-        return int(self.data.nbytes)
+        return sum(int(array.nbytes) for array in self.data)
 
 
 def plan(sizes: Iterable[tuple[str, int]], megabytes: float) -> list[list[str]]:
@@ -54,30 +53,21 @@ def plan(sizes: Iterable[tuple[str, int]], megabytes: float) -> list[list[str]]:
 
 
 def pack(tensors: Mapping[str, torch.Tensor]) -> Bucket:
-    specs, offset = [], 0
-    for name, tensor in tensors.items():
-        specs.append(TensorSpec(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset))
-        offset += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN  # any dtype can view its bytes
-    data = np.empty(offset, dtype=np.uint8)
-    flat = torch.from_numpy(data)
-    for spec, tensor in zip(specs, tensors.values(), strict=True):
-        size = tensor.numel() * tensor.element_size()
-        flat[spec.offset : spec.offset + size].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
-    return Bucket(tuple(specs), data)
+    """Views of the tensors' bytes (a copy only of a tensor that is not contiguous)."""
+    specs = tuple(TensorSpec(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in tensors.items())
+    data = tuple(t.detach().contiguous().view(-1).view(torch.uint8).numpy() for t in tensors.values())
+    return Bucket(specs, data)
 
 
 def unpack(bucket: Bucket) -> dict[str, torch.Tensor]:
-    """Views into the bucket's array, no copy; the array may be a read-only page of the object
-    store, which the engines only ever read from."""
+    """Views of the bucket's arrays, no copy; they may be read-only pages of the object store,
+    which the engines only ever read from."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        flat = torch.from_numpy(bucket.data)
-    tensors = {}
-    for spec in bucket.specs:
-        dtype = _dtype(spec.dtype)
-        size = int(np.prod(spec.shape, dtype=np.int64)) * dtype.itemsize
-        tensors[spec.name] = flat[spec.offset : spec.offset + size].view(dtype).view(spec.shape)
-    return tensors
+        return {
+            spec.name: torch.from_numpy(array).view(_dtype(spec.dtype)).view(spec.shape)
+            for spec, array in zip(bucket.specs, bucket.data, strict=True)
+        }
 
 
 def _dtype(name: str) -> torch.dtype:
