@@ -77,13 +77,15 @@ class RolloutGroup:
         self._lock = threading.Lock()
         self._weights: WeightSource | None = None  # of the last sync
         self._where: list[Any] = []  # each worker's answer to ``where``: the process to name if it is lost
-        self._recovering: list[threading.RLock] = []  # a worker lost again while it is given the weights
+        # Held to publish weights and give them to workers, so a worker restored by one thread
+        # never gets a mix of two versions from another's publish; reentrant, as a worker lost
+        # while a sync gives it the weights is restored from inside that sync.
+        self._giving = threading.RLock()
         if started:
             self._use(spawn())
 
     def _use(self, workers: list[Any]) -> None:
         self._where = [worker.where.remote() for worker in workers]
-        self._recovering = [threading.RLock() for _ in workers]
         self.workers = workers
 
     def _started(self, prompts: Batch) -> list[Any]:
@@ -98,8 +100,9 @@ class RolloutGroup:
             with spans.span("engine_start"):
                 workers = self._spawn()
                 ray.get([worker.__ray_ready__.remote() for worker in workers])
-                self._use(workers)
-                self._push(range(len(workers)), False, "while it was given the weights")
+                with self._giving:
+                    self._use(workers)
+                    self._push(range(len(workers)), False, "while it was given the weights")
             return workers
 
     @SkipManager.annotate(role="rollout")
@@ -175,11 +178,13 @@ class RolloutGroup:
             args = (ref, index, source.count, source.version, interrupt)
             done = self._gather("load_weights_bucket", dict.fromkeys(ranks, args), what, redo=False)
             ranks = [rank for rank in ranks if rank in done]
+            if not ranks:
+                return
 
     def _recover(self, rank: int, error: Exception, what: str) -> None:
         """Wait for Ray to restart worker ``rank``, then give it the weights of the last sync.
         Calls that lost the same worker wait here; the first to come restores it."""
-        with self._recovering[rank]:
+        with self._giving:
             worker, lost = self.workers[rank], self._where[rank]
             try:
                 lost = ray.get(lost, timeout=1)
@@ -211,13 +216,13 @@ class RolloutGroup:
         """Send the actor's weights of step ``version``; ``interrupt`` pauses generations in
         flight instead of requiring none. They stay published: a worker started or restarted
         later loads them first."""
-        source.publish(version)
-        with self._lock:
+        with self._giving:
+            source.publish(version)
             self._weights = source
-            if not self.workers:
+            if not self.workers:  # started later, under this lock, with these weights
                 return
-        with spans.span("weight_sync"):
-            self._push(range(len(self.workers)), interrupt, "during a weight sync")
+            with spans.span("weight_sync"):
+                self._push(range(len(self.workers)), interrupt, "during a weight sync")
 
     def engine_counters(self) -> dict[str, float]:
         """Every worker's engine counters (``RolloutBackend.counters``), summed."""
