@@ -52,6 +52,8 @@ def _arrivals(directory: Path) -> Iterator[Path]:
         while not path.exists():
             if (directory / "end").exists():
                 return
+            if not directory.exists():  # the sender failed and cleaned up: stop waiting at once
+                raise RuntimeError(f"weight bucket {index} will not arrive: {directory} is gone")
             if time.monotonic() - waited > ARRIVAL_TIMEOUT_S:
                 raise TimeoutError(f"weight bucket {index} did not arrive in {directory} in {ARRIVAL_TIMEOUT_S} s")
             time.sleep(0.002)

@@ -44,7 +44,7 @@ def plan(sizes: Iterable[tuple[str, int]], megabytes: float) -> list[list[str]]:
     buckets: list[list[str]] = []
     filled = 0
     for name, nbytes in sizes:
-        if not buckets or (buckets[-1] and filled + nbytes > limit):
+        if not buckets or filled + nbytes > limit:
             buckets.append([])
             filled = 0
         buckets[-1].append(name)
