@@ -28,6 +28,11 @@ while os.getppid() == parent:
 # hypothesis keeps its example database and constants cache in ./.hypothesis: give it a temporary home.
 _HYPOTHESIS_HOME = tempfile.TemporaryDirectory(prefix="skip-tests-hypothesis-")
 set_hypothesis_home_dir(_HYPOTHESIS_HOME.name)
+# vLLM's and torch.compile's caches (else ~/.cache/vllm and /tmp/torchinductor_$USER), shared by
+# the session's engines, its Ray workers and its commands, which inherit the environment.
+_COMPILE_CACHES = tempfile.TemporaryDirectory(prefix="skip-tests-compile-")
+os.environ["VLLM_CACHE_ROOT"] = os.path.join(_COMPILE_CACHES.name, "vllm")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_COMPILE_CACHES.name, "inductor")
 
 
 def _tree_files() -> set[str] | None:

@@ -61,6 +61,29 @@ def two_nodes(
             node.wait(timeout=60)
 
 
+@contextmanager
+def another_node(
+    directory: Path, address: str, name: str, cpus: int = 1, object_store_bytes: int = 500_000_000, shm: str = "2g"
+) -> Iterator[subprocess.Popen]:
+    """One more worker node, offering the resource ``name``; ``lose`` it to take it away as a
+    failed machine goes: every process of it killed at once."""
+    node = _node(directory, name, cpus, object_store_bytes, shm, f"--address={address}",
+                 "--resources=" + json.dumps({name: 1}))  # fmt: skip
+    try:
+        _wait_for(node, directory / f"{name}.log")
+        yield node
+    finally:
+        if node.poll() is None:
+            node.send_signal(signal.SIGTERM)
+            node.wait(timeout=60)
+
+
+def lose(node: subprocess.Popen) -> None:
+    """SIGKILL to the node's raylet, object store, agents and workers (its process group)."""
+    os.killpg(node.pid, signal.SIGKILL)
+    node.wait(timeout=60)
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -77,7 +100,8 @@ def _node(directory: Path, name: str, cpus: int, store: int, shm: str, *args: st
     )
     log = (directory / f"{name}.log").open("w")
     command = ["unshare", "--mount", "--propagation", "private", "bash", "-c", script]
-    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=node_env())
+    # A session of its own: the node's processes are one group, which ``lose`` kills together.
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=node_env(), start_new_session=True)
 
 
 def _wait_for(node: subprocess.Popen, log: Path) -> None:

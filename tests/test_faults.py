@@ -17,19 +17,32 @@ from skiptests import CONFIGS
 from training import metrics, overrides, train
 
 RUN = ("trainer.total_training_steps=2", "trainer.test_freq=0")
+SCHEDULES = {
+    "sync": ("trainer.schedule=sync",),
+    "one_step_off": ("trainer.schedule=one_step_off",),
+    # Streamed with no staleness and a sync per update: the samples each step trains are fixed,
+    # so a sample lost and fed again, or one trained twice, shows in the metrics.
+    "fully_async": (
+        "trainer.schedule=fully_async",
+        "async_training.staleness_threshold=0",
+        "async_training.trigger_parameter_sync_step=1",
+        "async_training.partial_rollout=false",
+        "algorithm.rollout_correction.bypass_mode=false",
+    ),
+}
 SAME = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/entropy", "training/staleness")
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(task_dir, tmp_path_factory):
-    """The metrics of a run with no fault, once per schedule."""
+    """The metrics and the rollout calls of a run with no fault, once per schedule."""
     runs = {}
 
     def run(*args):
         if args not in runs:
             directory = tmp_path_factory.mktemp("whole")
-            train(task_dir, directory, *RUN, *args)
-            runs[args] = metrics(directory / "run")
+            trainer, _ = train(task_dir, directory, *RUN, *args)
+            runs[args] = metrics(directory / "run"), trainer.rollout.calls
         return runs[args]
 
     return run
@@ -41,18 +54,21 @@ def uninterrupted(task_dir, tmp_path_factory):
         ("sync", "dying_hf", "while generating"),
         ("one_step_off", "dying_hf", "while generating"),
         ("one_step_off", "dying_in_sync_hf", "during a weight sync"),
+        ("fully_async", "dying_hf", r"while generating sample_0_\d+"),
     ],
 )
 def test_a_rollout_worker_killed_mid_generation_or_mid_sync_is_restarted_and_the_run_unchanged(
     ray_session, held_backend, task_dir, tmp_path, uninterrupted, schedule, backend, noticed
 ):
-    """Weights go in buckets of 0.5 MiB, so a worker killed in a sync dies with some loaded."""
-    schedule, buckets = f"trainer.schedule={schedule}", "rollout.update_weights_bucket_megabytes=0.5"
-    whole = uninterrupted(schedule, buckets)
+    """Weights go in buckets of 0.5 MiB, so a worker killed in a sync dies with some loaded.
+    Under fully_async the worker dies with every sample fed so far in flight on it: each is
+    generated again from its start, and no prompt is fed twice (the calls of an uninterrupted run)."""
+    schedule, buckets = SCHEDULES[schedule], "rollout.update_weights_bucket_megabytes=0.5"
+    whole, calls = uninterrupted(*schedule, buckets)
     lost = rf"rollout worker 0 \(pid \d+ on node .*\) was lost at step \d, noticed {noticed}"
     with pytest.warns(RuntimeWarning, match=lost):
-        trainer, _ = train(task_dir, tmp_path / "killed", *RUN, schedule, buckets, f"rollout.backend={backend}")
-    assert trainer.rollout.restarts == 1
+        trainer, _ = train(task_dir, tmp_path / "killed", *RUN, *schedule, buckets, f"rollout.backend={backend}")
+    assert trainer.rollout.restarts == 1 and trainer.rollout.calls == calls
     killed = metrics(tmp_path / "killed" / "run")
     assert [row["step"] for row in killed] == [1, 2]
     for a, b in zip(whole, killed, strict=True):
@@ -82,4 +98,18 @@ def test_the_actor_killed_stops_the_run_with_one_line_naming_it_and_how_to_resum
     died = r"Error: skip run stopped at step [23]: the actor worker \(pid \d+ on node \S+ \(\w+\)\) died: "
     assert re.match(died, line)
     assert re.search(r"resume from the newest checkpoint \(.*global_step_[12]\) with `skip run --config-dir ", line)
+    assert line.endswith("(HYDRA_FULL_ERROR=1 shows the traceback)")
+
+
+def test_a_rollout_worker_lost_past_its_restarts_stops_the_run_with_one_line(
+    ray_session, held_backend, task_dir, tmp_path
+):
+    more = ("rollout.backend=dying_hf", "resources.rollout.max_restarts=0")
+    result = CliRunner().invoke(cli, ["run", "--config-dir", str(CONFIGS), *overrides(task_dir, tmp_path, *RUN, *more)])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    (line,) = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    lost = r"Error: skip run stopped at step 2: rollout worker 0 \(pid \d+ on node \S+ \(\w+\)\) died at step 2, "
+    assert re.match(
+        lost + "noticed while generating, and Ray did not restart it: past resources.rollout.max_restarts", line
+    )
     assert line.endswith("(HYDRA_FULL_ERROR=1 shows the traceback)")

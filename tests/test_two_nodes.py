@@ -4,17 +4,20 @@ in its own mount namespace with a private ``/dev/shm`` (its object store) and te
 move between the nodes as between machines. The rollout pool asks for ``node_b``, which only
 the worker node offers, and the actor pool for ``node_a``. The run, cache and profile directories
 lie under the test's directory, which both nodes see, as on NFS. The driver runs on the head.
+Each schedule runs with ``hf`` and with ``vllm``; a third node, lost mid-run, stops the run.
 
 Giving a process its own mount namespace needs CAP_SYS_ADMIN (CI runs as root); without it the
 tests skip and say so.
 """
 
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from ray_nodes import namespaces_refused, node_env, two_nodes
+from ray_nodes import another_node, lose, namespaces_refused, node_env, two_nodes
 from training import metrics, overrides
 
 SKIP = Path(sys.executable).parent / "skip"
@@ -30,16 +33,26 @@ def cluster(tmp_path_factory):
         yield nodes
 
 
+def on_the_head(cluster, task_dir, tmp_path, *more) -> list[str]:
+    """``skip run`` on the head node, as ``RAY_ADDRESS=... skip run`` (with ``node_env``)."""
+    head, _ = cluster
+    return ["nsenter", f"--mount=/proc/{head}/ns/mnt", str(SKIP), "run", *overrides(task_dir, tmp_path, *more)]
+
+
 def skip_run(cluster, task_dir, tmp_path, *more) -> str:
-    """``RAY_ADDRESS=... skip run`` on the head node, the rollout pool on the worker node."""
-    head, address = cluster
-    command = ["nsenter", f"--mount=/proc/{head}/ns/mnt", str(SKIP), "run", *overrides(task_dir, tmp_path, *more)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=node_env(address))
+    """The run on the head node, the rollout pool on the worker node."""
+    command = on_the_head(cluster, task_dir, tmp_path, *more)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=node_env(cluster[1]))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
 
 
 RUN = ("trainer.total_training_steps=2", "trainer.test_freq=0", *PLACED)
+VLLM = (
+    "rollout.backend=vllm",
+    "rollout.engine_kwargs.vllm.enforce_eager=true",
+    "rollout.engine_kwargs.vllm.dtype=float32",
+)
 
 
 def test_sync_with_caching_and_profiling_across_two_nodes(cluster, task_dir, tmp_path):
@@ -51,17 +64,58 @@ def test_sync_with_caching_and_profiling_across_two_nodes(cluster, task_dir, tmp
     assert sorted(p.name for p in shape.iterdir() if p.name.isdigit()) == ["1", "2"]
 
 
-def test_one_step_off_across_two_nodes(cluster, task_dir, tmp_path):
-    skip_run(cluster, task_dir, tmp_path, *RUN, "trainer.schedule=one_step_off")
+def test_sync_on_vllm_across_two_nodes_samples_with_the_trainers_weights(cluster, task_dir, tmp_path):
+    """The engine in float32, as the trainer computes. The tiny model scores 0, so advantages are
+    0: the entropy bonus and the KL loss make step 1's update move the weights, which go to the
+    other node in buckets of 0.5 MiB for step 2 to sample from."""
+    weights = ("rollout.update_weights_bucket_megabytes=0.5", "actor.entropy_coeff=0.01", "actor.use_kl_loss=true")
+    skip_run(cluster, task_dir, tmp_path, *RUN, *VLLM, *weights)
+    rows = metrics(tmp_path / "run")
+    assert [row["step"] for row in rows] == [1, 2]
+    # |engine prob - trainer prob| of the sampled tokens, measured in process: mean 5e-9, max 1e-7
+    # (float32 rounding). Step 2 on an engine that kept step 1's weights: mean 1.3e-3, max 1.1e-2;
+    # the engine in bfloat16: 3.9e-5, 3.6e-4. The bounds sit between float32's noise and both faults.
+    for row in rows:
+        assert row["training/rollout_probs_diff_mean"] < 1e-6, row
+        assert row["training/rollout_probs_diff_max"] < 1e-4, row
+        assert row["response_length/mean"] > 0
+
+
+@pytest.mark.parametrize("backend", [(), VLLM], ids=["hf", "vllm"])
+def test_one_step_off_across_two_nodes(cluster, task_dir, tmp_path, backend):
+    skip_run(cluster, task_dir, tmp_path, *RUN, "trainer.schedule=one_step_off", *backend)
     assert [row["training/staleness"] for row in metrics(tmp_path / "run")] == [0.0, 1.0]
 
 
-def test_fully_async_on_vllm_across_two_nodes(cluster, task_dir, tmp_path):
-    cached = (
-        "skip.async_rollout.enable=true",
-        "skip.async_rollout.steps=1..16",
-        "rollout.engine_kwargs.vllm.enforce_eager=true",
-    )
-    skip_run(cluster, task_dir, tmp_path, *RUN, "trainer.schedule=fully_async", "rollout.backend=vllm", *cached)
+@pytest.mark.parametrize("backend", [(), VLLM], ids=["hf", "vllm"])
+def test_fully_async_with_caching_across_two_nodes(cluster, task_dir, tmp_path, backend):
+    cached = ("skip.async_rollout.enable=true", "skip.async_rollout.steps=1..16")
+    skip_run(cluster, task_dir, tmp_path, *RUN, "trainer.schedule=fully_async", *backend, *cached)
     assert [row["step"] for row in metrics(tmp_path / "run")] == [1, 2]
     assert len(list((tmp_path / "cache").glob("*/async_rollout/GBS*/*"))) >= 8  # one entry per streamed prompt
+
+
+def test_a_node_lost_with_no_room_left_stops_the_run_with_one_line_and_how_to_resume(
+    cluster, task_dir, tmp_path, tmp_path_factory
+):
+    """The rollout pool on a third node, which is lost once step 1's checkpoint is saved: no node
+    left offers ``node_c``, so Ray cannot restart the worker; the run waits ``restart_timeout_s``,
+    then stops with one line."""
+    steps = ("trainer.total_training_steps=3", "trainer.test_freq=0", "trainer.save_freq=1")
+    placed = ("resources.rollout.ray_resources={node_c:1}", "resources.actor.ray_resources={node_a:1}")
+    command = on_the_head(cluster, task_dir, tmp_path, *steps, *placed, "resources.rollout.restart_timeout_s=15")
+    short = tmp_path_factory.mktemp("c")  # its sockets' paths must stay under 108 bytes
+    with another_node(short, cluster[1], "node_c") as node:
+        run = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=node_env(cluster[1])
+        )
+        while not (tmp_path / "run" / "global_step_1" / "manifest.json").exists() and run.poll() is None:
+            time.sleep(0.05)
+        lose(node)
+        out, err = run.communicate(timeout=300)
+    assert run.returncode == 1 and "Traceback" not in out + err, out[-3000:] + err[-3000:]
+    (line,) = [line for line in (out + err).splitlines() if line.startswith("Error:")]
+    died = r"Error: skip run stopped at step [23]: rollout worker 0 \(pid \d+ on node \S+ \(\w+\)\) died at step [23], "
+    assert re.match(died, line), line
+    assert "its node is gone and no node left took the worker within 15 s" in line
+    assert re.search(r"resume from the newest checkpoint \(.*global_step_[12]\) with `skip run ", line)

@@ -165,6 +165,9 @@ class RolloutPool(_Section):
     workers: PositiveInt = 1
     cpus_per_worker: PositiveFloat = 1
     max_restarts: NonNegativeInt = 3  # times Ray restarts a lost worker (killed, preempted, out of memory)
+    # How long a lost worker may take to come back: placed again (on another node, if its own is
+    # gone: an autoscaler may first add one) and its engine loaded. Past it the run stops.
+    restart_timeout_s: PositiveFloat = 600
     # Custom resources each worker's bundle asks for besides its CPUs ({node_b: 1}): on a cluster,
     # the pool goes to the nodes started with them (ray start --resources). null: none.
     ray_resources: dict[StrictStr, PositiveFloat] | None = None

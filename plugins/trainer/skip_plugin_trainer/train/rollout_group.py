@@ -28,9 +28,10 @@ from skip_core.batch import Batch
 from skip_core.manager import SkipManager
 
 from skip_plugin_trainer.rollout.padding import merge_rollout_stats
+from skip_plugin_trainer.train.located import Where
 
 SHUTDOWN_TIMEOUT_S = 120
-RESTART_TIMEOUT_S = 600  # a restarted worker loads its engine; vLLM on CPU takes a minute
+RESTART_POLL_S = 2  # how often a wait for a restart looks whether the worker's node is gone
 
 
 class WorkerLost(RuntimeError):
@@ -67,8 +68,8 @@ class RolloutGroup:
     load the weights of the last sync first.
     """
 
-    def __init__(self, spawn: Callable[[], list[Any]], started: bool = True) -> None:
-        self._spawn = spawn
+    def __init__(self, spawn: Callable[[], list[Any]], started: bool = True, restart_timeout_s: float = 600) -> None:
+        self._spawn, self._restart_timeout_s = spawn, restart_timeout_s
         self.workers: list[Any] = []
         self.calls = 0
         self.restarts = 0
@@ -77,6 +78,7 @@ class RolloutGroup:
         self._lock = threading.Lock()
         self._weights: WeightSource | None = None  # of the last sync
         self._where: list[Any] = []  # each worker's answer to ``where``: the process to name if it is lost
+        self._gone: set[int] = set()  # ranks Ray did not restart: nothing more is asked of them
         # Held to publish weights and give them to workers, so a worker restored by one thread
         # never gets a mix of two versions from another's publish; reentrant, as a worker lost
         # while a sync gives it the weights is restored from inside that sync.
@@ -185,20 +187,11 @@ class RolloutGroup:
         """Wait for Ray to restart worker ``rank``, then give it the weights of the last sync.
         Calls that lost the same worker wait here; the first to come restores it."""
         with self._giving:
-            worker, lost = self.workers[rank], self._where[rank]
-            try:
-                lost = ray.get(lost, timeout=1)
-            except (RayActorError, GetTimeoutError):
-                lost = "a process that died before it said where"
-            now = worker.where.options(max_task_retries=-1).remote()  # waits out the restart
-            try:
-                where = ray.get(now, timeout=RESTART_TIMEOUT_S)
-            except (RayActorError, GetTimeoutError) as exc:
-                cause = str(error).splitlines()[0].rstrip(".")
-                raise WorkerLost(
-                    f"rollout worker {rank} ({lost}) died at step {self._step}, noticed {what}, and Ray did not "
-                    f"restart it (resources.rollout.max_restarts): {cause}"
-                ) from exc
+            if rank in self._gone:
+                raise WorkerLost(f"rollout worker {rank} was lost before, and Ray did not restart it") from error
+            lost = self._lost_where(rank)
+            now = self.workers[rank].where.options(max_task_retries=-1).remote()  # waits out the restart
+            where = self._restarted(rank, now, lost, error, what)
             if where == lost:  # alive all along (a transient loss), or restored by another call
                 return
             self._where[rank] = now
@@ -211,6 +204,46 @@ class RolloutGroup:
                 RuntimeWarning,
                 stacklevel=2,
             )
+
+    def _lost_where(self, rank: int) -> Where | str:
+        try:
+            return ray.get(self._where[rank], timeout=1)
+        except (RayActorError, GetTimeoutError):
+            return "a process that died before it said where"
+
+    def _restarted(self, rank: int, now: Any, lost: Where | str, error: Exception, what: str) -> Where:
+        """Where the restarted worker runs, once Ray has placed it again and its engine has loaded.
+        A worker whose node is gone may wait for another node, up to the restart timeout: said
+        once Ray counts the node dead, which it does some seconds after the worker's calls fail."""
+        deadline = time.monotonic() + self._restart_timeout_s
+        said = False
+        while not ray.wait([now], timeout=min(RESTART_POLL_S, max(deadline - time.monotonic(), 0)))[0]:
+            if time.monotonic() >= deadline:
+                cause = f"not back within resources.rollout.restart_timeout_s={self._restart_timeout_s:g}"
+                if _node_gone(lost):
+                    cause = f"its node is gone and no node left took the worker within {self._restart_timeout_s:g} s"
+                raise self._not_restarted(rank, lost, what, cause) from error
+            if not said and _node_gone(lost):
+                said = True
+                warnings.warn(
+                    f"rollout worker {rank} ({lost}) was lost with its node at step {self._step}; waiting up to "
+                    f"{self._restart_timeout_s:g} s for Ray to restart it on another "
+                    "(resources.rollout.restart_timeout_s)",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+        try:
+            return ray.get(now)
+        except RayActorError as exc:  # past resources.rollout.max_restarts: Ray gave up on it
+            cause = str(error).splitlines()[0].rstrip(".")
+            raise self._not_restarted(rank, lost, what, f"past resources.rollout.max_restarts: {cause}") from exc
+
+    def _not_restarted(self, rank: int, lost: Where | str, what: str, cause: str) -> WorkerLost:
+        self._gone.add(rank)
+        return WorkerLost(
+            f"rollout worker {rank} ({lost}) died at step {self._step}, noticed {what}, and Ray did not restart it: "
+            f"{cause}"
+        )
 
     def update_weights(self, source: WeightSource, version: int, interrupt: bool = False) -> None:
         """Send the actor's weights of step ``version``; ``interrupt`` pauses generations in
@@ -235,4 +268,9 @@ class RolloutGroup:
 
     def shutdown(self) -> None:
         """Bounded: an engine that never stops must not hang the run's exit (its pool kills it)."""
-        ray.get([worker.shutdown.remote() for worker in self.workers], timeout=SHUTDOWN_TIMEOUT_S)
+        live = [worker for rank, worker in enumerate(self.workers) if rank not in self._gone]
+        ray.get([worker.shutdown.remote() for worker in live], timeout=SHUTDOWN_TIMEOUT_S)
+
+
+def _node_gone(lost: Where | str) -> bool:
+    return isinstance(lost, Where) and not lost.node_alive()

@@ -115,7 +115,8 @@ class Cluster:
             concurrency=STREAMED_PER_WORKER,
             restarts=restarts,
         )
-        self.rollout = RolloutGroup(spawn, started=not defer_rollout)
+        timeout = resources.rollout.restart_timeout_s
+        self.rollout = RolloutGroup(spawn, started=not defer_rollout, restart_timeout_s=timeout)
         # The critic shares the policy's bundle, as verl colocates them: a step runs their phases in turn.
         share = 2 if settings.use_critic else 1
         threads = resources.threads(actor.cpus, overlapped)
