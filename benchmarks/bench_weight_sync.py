@@ -1,11 +1,13 @@
 """Weight sync at size, across two Ray nodes: the trainer's bucketed path against a raw transfer.
 
 A 0.5B-parameter Qwen2-shaped policy (Qwen2-0.5B's config, random weights, built here: nothing is
-downloaded) sits in a ``Policy`` actor on node A; 1, then 4, hf rollout workers on node B hold
-the same model. Each sync is the trainer's own path (``RolloutGroup.update_weights``: the actor
-publishes, each bucket goes into the object store once and is loaded by every worker, one bucket
-ahead). Beside it, in the same run, the raw transfer of the same bytes: ``ray.put`` of one array
-on node A, ``ray.get`` on node B and a copy into a preallocated buffer (what a load does).
+downloaded) sits in a ``Policy`` actor on node A; 1, then 4, rollout workers on node B hold
+the same model, in the ``hf`` engine or (``--backend vllm``) in a vLLM engine, eager, float32,
+whose worker process reads each bucket from a file in node B's /dev/shm. Each sync is the
+trainer's own path (``RolloutGroup.update_weights``: the actor publishes, each bucket goes into
+the object store once and is loaded by every worker, one bucket ahead). Beside it, in the same
+run, the raw transfer of the same bytes: ``ray.put`` of one array on node A, ``ray.get`` on node
+B and a copy into a preallocated buffer (what a load does), by as many receivers as workers.
 
 Both nodes run on this machine, each in its own mount namespace with a private /dev/shm (see
 tests/ray_nodes.py; needs root). Each configuration gets fresh processes whose weights are made
@@ -16,6 +18,10 @@ column counts every bucket a process saw; the object stores' own peak (sampled) 
 held at once.
 
     python benchmarks/bench_weight_sync.py --rounds 3 --bucket-mb 512
+    python benchmarks/bench_weight_sync.py --backend vllm --workers 1
+
+With vLLM the receiver's extra RSS is that of the worker actor and its engine's processes
+together; the bucket files' pages count in the engine worker's RSS once it maps them.
 """
 
 from __future__ import annotations
@@ -91,6 +97,12 @@ def _touch(model) -> None:
             parameter.add_(0)
 
 
+def _family(pid: int) -> list[int]:
+    """The process and its descendants (a vLLM engine's core and worker processes)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [pid, *(p for child in children for p in _family(int(child)))]
+
+
 def _status(pid: int, key: str) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(key + ":"):
@@ -163,25 +175,50 @@ class Receiver:
         return int(self.buffer[-1])
 
 
-def raw(nbytes: int, rounds: int) -> dict:
+def raw(nbytes: int, rounds: int, workers: int) -> dict:
+    """One ``ray.put`` on node A, then each of ``workers`` receivers on node B gets and copies it."""
     import ray
 
     sender = ray.remote(Sender).options(resources={"node_a": 0.01}).remote(nbytes)
-    receiver = ray.remote(Receiver).options(resources={"node_b": 0.01}).remote(nbytes)
-    pids = [_pid(sender), _pid(receiver)]
+    receivers = [ray.remote(Receiver).options(resources={"node_b": 0.01}).remote(nbytes) for _ in range(workers)]
+    pids = [_pid(sender), *(_pid(r) for r in receivers)]
     times, extra, store = [], None, 0
     for _ in range(rounds):
         with Peak(pids) as peak, StorePeak() as stored:
             start = time.perf_counter()
-            assert ray.get(receiver.get.remote(sender.put.remote())) == 1
+            refs = sender.put.remote()
+            assert ray.get([receiver.get.remote(refs) for receiver in receivers]) == [1] * workers
             times.append(time.perf_counter() - start)
         extra, store = extra or peak.extra, max(store, stored.peak)
-    for actor in (sender, receiver):
+    for actor in (sender, *receivers):
         ray.kill(actor)
-    return {"times": times, "sender": extra[pids[0]], "receivers": [extra[pids[1]]], "store": store}
+    return {"times": times, "sender": extra[pids[0]], "receivers": [extra[p] for p in pids[1:]], "store": store}
 
 
-def bucketed(model: Path, workers: int, megabytes: float, rounds: int) -> dict:
+VLLM = (
+    "rollout.backend=vllm",
+    "rollout.engine_kwargs.vllm.enforce_eager=true",
+    "rollout.engine_kwargs.vllm.dtype=float32",
+    "rollout.engine_kwargs.vllm.max_model_len=512",
+    "rollout.engine_kwargs.vllm.cpu_kvcache_space_gb=1",
+)
+
+
+def _load_alone(worker, model: str, megabytes: float, version: int) -> float:
+    """Seconds the worker's engine takes to load the model's weights from buckets already in its
+    memory: the sync without the transfer."""
+    from safetensors.torch import load_file
+    from skip_plugin_trainer.rollout.weights import plan
+
+    state = load_file(f"{model}/model.safetensors")
+    buckets = plan(((name, t.nbytes) for name, t in state.items()), megabytes)
+    start = time.perf_counter()
+    for index, names in enumerate(buckets):
+        worker.loop.load_weights_bucket({n: state[n] for n in names}, index, len(buckets), version, False)
+    return time.perf_counter() - start
+
+
+def bucketed(model: Path, workers: int, megabytes: float, rounds: int, backend: str) -> dict:
     import ray
     from skip_plugin_trainer.algorithm_settings import ActorConfig
     from skip_plugin_trainer.commands import compose_config
@@ -190,7 +227,8 @@ def bucketed(model: Path, workers: int, megabytes: float, rounds: int) -> dict:
     from skip_plugin_trainer.train.rollout_group import RolloutGroup, WeightSource
     from skip_plugin_trainer.train.workers import RolloutWorker
 
-    config = compose_config(None, "run", (f"model.path={model}", "task.name=null", "rollout.hf.device=cpu"))
+    engine = VLLM if backend == "vllm" else ("rollout.hf.device=cpu",)
+    config = compose_config(None, "run", (f"model.path={model}", "task.name=null", *engine))
     settings = RolloutSettings.from_config(config)
     actor = ray.remote(Policy).options(resources={"node_a": 0.01}, num_cpus=0)
     actor = actor.remote(str(model), ActorConfig(ppo_mini_batch_size=1), samples_per_prompt=1)
@@ -199,9 +237,11 @@ def bucketed(model: Path, workers: int, megabytes: float, rounds: int) -> dict:
     group = RolloutGroup(lambda: spawned)
     ray.get([w.__ray_ready__.remote() for w in [actor, *spawned]])
     ray.get(actor.__ray_call__.remote(lambda policy: _touch(policy.model)))
-    ray.get([w.__ray_call__.remote(lambda worker: _touch(worker.loop.backend.model)) for w in spawned])
+    if backend == "hf":  # a vLLM engine's weights are its own copy, resident once loaded
+        ray.get([w.__ray_call__.remote(lambda worker: _touch(worker.loop.backend.model)) for w in spawned])
     source = WeightSource(actor, megabytes, keep=False)
-    pids = [_pid(actor), *(_pid(w) for w in spawned)]
+    receivers = [_family(_pid(w)) for w in spawned]
+    pids = [_pid(actor), *(pid for family in receivers for pid in family)]
     times, extra, store = [], None, 0
     for version in range(1, rounds + 1):
         with Peak(pids) as peak, StorePeak() as stored:
@@ -209,15 +249,18 @@ def bucketed(model: Path, workers: int, megabytes: float, rounds: int) -> dict:
             group.update_weights(source, version)
             times.append(time.perf_counter() - start)
         extra, store = extra or peak.extra, max(store, stored.peak)
+    alone = spawned[0].__ray_call__.remote
+    loads = [ray.get(alone(_load_alone, str(model), megabytes, rounds + 1 + i)) for i in range(rounds)]
     group.shutdown()
     for a in [actor, *spawned]:
         ray.kill(a)
     return {
         "times": times,
         "sender": extra[pids[0]],
-        "receivers": [extra[p] for p in pids[1:]],
+        "receivers": [sum(extra[p] for p in family) for family in receivers],
         "buckets": source.count,
         "store": store,
+        "load alone": loads,
     }
 
 
@@ -237,28 +280,30 @@ def measure(args: argparse.Namespace) -> None:
     table = Table(
         title=f"weight sync, {params / 1e6:.0f}M parameters ({nbytes / MB:.0f} MiB float32), node A -> node B"
     )
-    for column in ("path", "workers", "buckets", "sync s (median)", "all rounds s", "x raw",
+    for column in ("path", "workers", "buckets", "sync s (median)", "all rounds s", "x raw", "engine load alone s",
                    "object stores peak MiB", "sender extra RSS MiB", "receiver extra RSS MiB (max)"):  # fmt: skip
         table.add_column(column, justify="right" if column != "path" else "left")
-    base = raw(nbytes, args.rounds)
-    rows = [("raw ray.put / ray.get", 1, "-", base)]
     for workers in args.workers:
-        result = bucketed(Path(args.model), workers, args.bucket_mb, args.rounds)
-        rows.append((f"skip, {args.bucket_mb:g} MiB buckets", workers, None, result))
-    raw_median = statistics.median(base["times"])
-    for path, workers, buckets, result in rows:
-        median = statistics.median(result["times"])
-        table.add_row(
-            path,
-            str(workers),
-            str(result.get("buckets", buckets)),
-            f"{median:.2f}",
-            " ".join(f"{t:.2f}" for t in result["times"]),
-            f"{median / raw_median:.2f}",
-            f"{result['store'] / MB:.0f}",
-            f"{result['sender'] / MB:.0f}",
-            f"{max(result['receivers']) / MB:.0f}",
-        )
+        base = raw(nbytes, args.rounds, workers)
+        result = bucketed(Path(args.model), workers, args.bucket_mb, args.rounds, args.backend)
+        raw_median = statistics.median(base["times"])
+        for path, row in (
+            ("raw ray.put / ray.get", base),
+            (f"skip, {args.backend}, {args.bucket_mb:g} MiB buckets", result),
+        ):
+            median = statistics.median(row["times"])
+            table.add_row(
+                path,
+                str(workers),
+                str(row.get("buckets", "-")),
+                f"{median:.2f}",
+                " ".join(f"{t:.2f}" for t in row["times"]),
+                f"{median / raw_median:.2f}",
+                f"{statistics.median(row['load alone']):.2f}" if "load alone" in row else "-",
+                f"{row['store'] / MB:.0f}",
+                f"{row['sender'] / MB:.0f}",
+                f"{max(row['receivers']) / MB:.0f}",
+            )
     Console(width=200).print(table)
 
 
@@ -267,6 +312,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, default=512)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="the rollout workers' engine")
     parser.add_argument("--layers", type=int, default=None, help="fewer layers for a quick try (default: 24)")
     parser.add_argument("--address", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
