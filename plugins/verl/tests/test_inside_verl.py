@@ -32,7 +32,7 @@ VERL = "verl==0.9.1"
 UNDECLARED = ("cachetools", "fastapi", "uvicorn")
 DISTRIBUTIONS = ("core", "plugins/rollout", "plugins/async_rollout", "plugins/verl")
 TEMPLATE_ROLE = "judge"
-PIP = ("-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-compile")  # compiled on import instead
+PIP = ("-m", "pip", "install", "--quiet", "--disable-pip-version-check")
 
 
 def run(*command: str | Path, timeout: int = 900) -> None:
