@@ -26,10 +26,15 @@ RAY = Path(sys.executable).parent / "ray"
 START_TIMEOUT_S = 120
 
 
+# The head counts a node dead after 3 missed health checks a second apart (Ray's default: 5, 3 s
+# apart), so a test that loses one waits seconds, not tens of seconds, to see it gone.
+HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
+
+
 def node_env(address: str | None = None) -> dict[str, str]:
     """Token authentication would need the token on both nodes and the driver; the cluster is this
     machine's."""
-    return {**os.environ, "RAY_AUTH_MODE": "disabled", **({"RAY_ADDRESS": address} if address else {})}
+    return {**os.environ, "RAY_AUTH_MODE": "disabled", **HEALTH_CHECKS, **({"RAY_ADDRESS": address} if address else {})}
 
 
 def namespaces_refused() -> str | None:

@@ -103,7 +103,7 @@ def test_a_node_lost_with_no_room_left_stops_the_run_with_one_line_and_how_to_re
     then stops with one line."""
     steps = ("trainer.total_training_steps=3", "trainer.test_freq=0", "trainer.save_freq=1")
     placed = ("resources.rollout.ray_resources={node_c:1}", "resources.actor.ray_resources={node_a:1}")
-    command = on_the_head(cluster, task_dir, tmp_path, *steps, *placed, "resources.rollout.restart_timeout_s=15")
+    command = on_the_head(cluster, task_dir, tmp_path, *steps, *placed, "resources.rollout.restart_timeout_s=20")
     short = tmp_path_factory.mktemp("c")  # its sockets' paths must stay under 108 bytes
     with another_node(short, cluster[1], "node_c") as node:
         run = subprocess.Popen(
@@ -117,5 +117,8 @@ def test_a_node_lost_with_no_room_left_stops_the_run_with_one_line_and_how_to_re
     (line,) = [line for line in (out + err).splitlines() if line.startswith("Error:")]
     died = r"Error: skip run stopped at step [23]: rollout worker 0 \(pid \d+ on node \S+ \(\w+\)\) died at step [23], "
     assert re.match(died, line), line
-    assert "its node is gone and no node left took the worker within 15 s" in line
+    assert "its node is gone and no node left took the worker within 20 s" in line
+    assert re.search(r"rollout worker 0 \(.*\) was lost with its node at step [23]; waiting up to 20 s", err), err[
+        -3000:
+    ]
     assert re.search(r"resume from the newest checkpoint \(.*global_step_[12]\) with `skip run ", line)
