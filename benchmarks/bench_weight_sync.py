@@ -325,6 +325,8 @@ def main() -> None:
         sys.exit(f"two Ray nodes need a mount namespace each: {why}")
     with tempfile.TemporaryDirectory(prefix="skip-bench-sync-") as tmp:
         directory = Path(tmp)
+        # vLLM's caches (else ~/.cache/vllm), for the nodes' workers, which inherit the environment.
+        os.environ["VLLM_CACHE_ROOT"] = str(directory / "vllm-cache")
         print("building the model ...", flush=True)
         model = build_model(directory, args.layers)
         nodes = directory / "nodes"
