@@ -92,7 +92,8 @@ class Policy(Located):
         return {key: sum(values) / len(values) for key, values in metrics.items()}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Weights for the rollout engine (tied tensors appear under each name, as HF lists them)."""
+        """A copy of the weights, for a checkpoint (tied tensors appear under each name, as HF lists
+        them); the rollout engines get theirs through ``publish_weights``."""
         return {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
 
     def publish_weights(self, megabytes: float, keep: bool) -> int:
