@@ -7,13 +7,16 @@ later inside a training step reads raw config.
 
 from __future__ import annotations
 
+import bisect
 import difflib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypeVar, get_args
+from typing import Any, Literal, TypeVar, get_args
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from skip_core.errors import SkipError
 
 # What this repository's plugin distributions provide, and where each lives in it: an error
 # about a missing role, backend or config section names the distribution and how to install it from
@@ -59,29 +62,116 @@ MISSING = "???"
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class ConfigError(SkipError, ValueError):
     """Bad configuration; the message names the full key and what is allowed."""
 
 
-def expand_steps(value: Any) -> Any:
-    """``3``, ``"1..20"`` (both ends included) or a list of either, as a list of steps; anything
-    else is left for pydantic to reject."""
-    steps: list[Any] = []
-    for item in value if isinstance(value, (list, tuple)) else [value]:
+class StepSet:
+    """Steps as sorted, disjoint ranges (both ends included): ``1..1000000000000`` is two numbers,
+    not a list, so a typo in a range costs nothing until it is used. Iterates in order; ``in`` is
+    a comparison or a bisection. Written in config as a step, ``"a..b"`` or a list of either."""
+
+    __slots__ = ("_ends", "_starts")
+
+    def __init__(self, ranges: Iterable[tuple[int, int]] = ()) -> None:
+        merged: list[list[int]] = []
+        for first, last in sorted((int(a), int(b)) for a, b in ranges if a <= b):
+            if merged and first <= merged[-1][1] + 1:
+                merged[-1][1] = max(merged[-1][1], last)
+            else:
+                merged.append([first, last])
+        self._starts = tuple(first for first, _ in merged)
+        self._ends = tuple(last for _, last in merged)
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        return list(zip(self._starts, self._ends, strict=True))
+
+    def __contains__(self, step: object) -> bool:
+        if not isinstance(step, int):
+            return False
+        i = bisect.bisect_right(self._starts, step) - 1
+        return i >= 0 and step <= self._ends[i]
+
+    def __iter__(self) -> Iterator[int]:
+        for first, last in self.ranges:
+            yield from range(first, last + 1)
+
+    def __len__(self) -> int:
+        return sum(last - first + 1 for first, last in self.ranges)
+
+    def __bool__(self) -> bool:
+        return bool(self._starts)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StepSet):
+            return self.ranges == other.ranges
+        if isinstance(other, (list, tuple)):
+            return len(other) == len(self) and list(self) == list(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self._starts, self._ends))
+
+    def above(self, last: int) -> StepSet:
+        """The steps after ``last``: those a run ending at ``last`` never reaches."""
+        return StepSet((max(first, last + 1), end) for first, end in self.ranges if end > last)
+
+    def __str__(self) -> str:
+        return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in self.ranges)
+
+    def __repr__(self) -> str:
+        return f"StepSet({self})"
+
+    def as_config(self) -> list[int | str]:
+        """The form config files write: ``[1, "3..100"]``."""
+        return [a if a == b else f"{a}..{b}" for a, b in self.ranges]
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
+        from pydantic_core import core_schema
+
+        # The plain steps are validated as a list of non-negative integers, so an error names
+        # the item (``steps[1]: expected an integer``); ranges stand in it as their first step.
+        items = core_schema.list_schema(core_schema.int_schema(ge=0))
+        return core_schema.no_info_wrap_validator_function(
+            _parse_steps,
+            items,
+            serialization=core_schema.plain_serializer_function_ser_schema(
+                lambda steps: steps.as_config() if isinstance(steps, StepSet) else steps
+            ),
+        )
+
+
+def _parse_steps(value: Any, validate: Callable[[Any], list[int]]) -> StepSet:
+    """``3``, ``"1..20"`` or a list of either as a ``StepSet``; a bad plain step is pydantic's to name."""
+    if isinstance(value, StepSet):
+        return value
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    ranges: dict[int, tuple[int, int]] = {}
+    for index, item in enumerate(items):
         first, dots, last = item.partition("..") if isinstance(item, str) else (item, "", "")
         if not dots:
-            steps.append(item)
-        elif not (first.strip().isdigit() and last.strip().isdigit()):
+            continue
+        first, last = first.strip(), last.strip()
+        if not (_digits(first) and _digits(last)):
             raise ValueError(f"{item!r} is not a range of steps like 1..20")
-        elif int(first) > int(last):
+        if int(first) > int(last):
             raise ValueError(f"the range {item!r} is empty: write the smaller step first")
-        else:
-            steps.extend(range(int(first), int(last) + 1))
-    return steps
+        ranges[index] = (int(first), int(last))
+        items[index] = int(first)
+    steps = validate(items)
+    return StepSet([ranges.get(i, (step, step)) for i, step in enumerate(steps)])
 
 
-#: Trainer steps, written as ``expand_steps`` reads them.
-Steps = Annotated[list[NonNegativeInt], BeforeValidator(expand_steps)]
+def _digits(text: str) -> bool:
+    """ASCII digits, at most 18 of them: a step fits a 64-bit integer (``int()`` also takes
+    other scripts' digits and would take 10,000 of them)."""
+    return 0 < len(text) <= 18 and text.isascii() and text.isdigit()
+
+
+#: Trainer steps: a step, a range ``a..b`` or a list of them (``StepSet``).
+Steps = StepSet
 
 
 class RoleConfig(BaseModel):
@@ -91,7 +181,7 @@ class RoleConfig(BaseModel):
 
     enable: bool = False
     dump_dir: str = "~/.cache/skip"
-    steps: Steps = Field(default_factory=list)
+    steps: Steps = Field(default_factory=StepSet)
     action: Literal["cache", "repeat"] = "cache"
     # A cache hit whose recorded inputs differ from this call's inputs (see
     # ``skip_core.encoding.fingerprint``): load anyway with a warning, run the function
@@ -167,7 +257,7 @@ def _owner(model: type[BaseModel], loc: tuple) -> type[BaseModel]:
 
 def _integral(annotation: Any) -> bool:
     """``int``, or a type built on it (``NonNegativeInt``, ``int | None``, ``list[PositiveInt]``)."""
-    return annotation is int or any(_integral(arg) for arg in get_args(annotation))
+    return annotation in (int, StepSet) or any(_integral(arg) for arg in get_args(annotation))
 
 
 _BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}

@@ -8,9 +8,12 @@ could not read a shared cache or checkpoint. Everything here is given the mode `
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import re
 import shutil
+import socket
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -85,6 +88,55 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def owned(prefix: str) -> str:
+    """``prefix`` and this process's mark, ``<pid>@<host>-``: the start of a temporary name that
+    says who is writing it, so a later process can tell a leftover of killed work from work in
+    progress (``abandoned``)."""
+    return f"{prefix}{os.getpid()}@{_host()}-"
+
+
+def abandoned(name: str, prefix: str) -> bool:
+    """Whether ``name``, made with ``owned(prefix)``, belongs to no live process: written on this
+    host by a process that is gone. A name without the mark, or from another host, whose process
+    cannot be asked, is never called abandoned."""
+    match = re.match(r"(\d{1,10})@([^-/]+)-", name[len(prefix) :]) if name.startswith(prefix) else None
+    if match is None or match[2] != _host():
+        return False
+    try:
+        os.kill(int(match[1]), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):  # alive under another user; a pid no process can have
+        return False
+    return False
+
+
+def remove_abandoned(directory: Path, prefixes: tuple[str, ...]) -> list[Path]:
+    """Delete the entries of ``directory`` that ``abandoned`` calls leftovers; return those removed.
+    Never fails: what cannot be listed or removed stays."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if any(abandoned(name, prefix) for prefix in prefixes):
+            path = Path(directory) / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            if not os.path.lexists(path):
+                removed.append(path)
+    return removed
+
+
+def _host() -> str:
+    """This host's name as it may stand in a file name (no ``-``, which ends the mark)."""
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:64] or "_"
+
+
 def publish(tmp: Path, final: Path, attempts: int = 16) -> None:
     """Rename the directory ``tmp`` onto ``final``; an existing one is moved aside and deleted first.
 
@@ -99,7 +151,7 @@ def publish(tmp: Path, final: Path, attempts: int = 16) -> None:
         except OSError as exc:
             if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
-        trash = final.with_name(f".trash-{final.name}-{uuid.uuid4().hex[:12]}")
+        trash = final.with_name(f"{owned(f'.trash-{final.name}-')}{uuid.uuid4().hex[:12]}")
         try:
             os.rename(final, trash)
         except FileNotFoundError:

@@ -38,7 +38,8 @@ def defaults(model: type[BaseModel]) -> dict[str, Any]:
         if field.is_required():
             values[name] = MISSING
         else:
-            values[name] = TypeAdapter(Any).dump_python(field.get_default(call_default_factory=True), mode="json")
+            default = field.get_default(call_default_factory=True)
+            values[name] = TypeAdapter(field.annotation).dump_python(default, mode="json")
     return values
 
 

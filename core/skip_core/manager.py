@@ -30,6 +30,7 @@ from skip_core.config import (
     ConfigError,
     Namespace,
     RoleConfig,
+    StepSet,
     install_hint,
     is_hydra_marker,
     parse_section,
@@ -74,7 +75,7 @@ class _Slot:
     def deactivate(self) -> None:
         self.enabled = False
         self.online = False
-        self.steps: frozenset[int] = frozenset()
+        self.steps: StepSet = StepSet()
         self.role: Role | None = None
         self.config: RoleConfig | None = None
         self.store: CacheStore | None = None
@@ -82,7 +83,7 @@ class _Slot:
     def activate(self, role: Role, config: RoleConfig, store: CacheStore) -> None:
         self.role, self.config, self.store = role, config, store
         self.online = role.online_step
-        self.steps = frozenset(config.steps)
+        self.steps = config.steps
         self.enabled = True
 
     def plan(self, fn: Callable, signature: inspect.Signature, position: int, args: tuple, kwargs: dict):
