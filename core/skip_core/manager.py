@@ -274,6 +274,14 @@ class SkipManager:
         return {name: slot.store for name, slot in _slots.items() if slot.enabled}
 
     @classmethod
+    def unreachable(cls, last_step: int) -> dict[str, StepSet]:
+        """The steps of each enabled trainer-step role past ``last_step``, by role name: a run
+        that ends there never reaches them (a typo such as ``1..2000`` for ``1..200``)."""
+        active = [(name, slot) for name, slot in _slots.items() if slot.enabled and not slot.online]
+        beyond = {name: slot.steps.above(last_step) for name, slot in active}
+        return {name: steps for name, steps in beyond.items() if steps}
+
+    @classmethod
     def flush(cls) -> None:
         """Return once every dump started so far is durable on disk."""
         _dumps.flush()
