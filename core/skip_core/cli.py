@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import click
@@ -13,6 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from skip_core import store as cache_store
+from skip_core.errors import TRACEBACK_SWITCH, SkipError
 
 # Pipes and CI logs get 80 columns by default, which would fold every path; give them room.
 console = Console(width=None if Console().is_terminal else 160)
@@ -27,8 +30,18 @@ def _table(*columns: str, **options) -> Table:
 
 
 class _Commands(click.Group):
-    """A command that a plugin of this repository would add, asked for while it is not installed,
-    says which distribution brings it instead of click's bare "No such command"."""
+    """The boundary of every ``skip`` command: a ``SkipError`` escaping one is printed as its one
+    line (``Error: ...``, exit 1) with no traceback (``HYDRA_FULL_ERROR=1`` shows it). A command
+    that a plugin of this repository would add, asked for while it is not installed, says which
+    distribution brings it instead of click's bare "No such command"."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except SkipError as exc:
+            if os.environ.get(TRACEBACK_SWITCH) == "1":
+                raise
+            raise click.ClickException(" ".join(str(exc).split())) from None
 
     def resolve_command(self, ctx: click.Context, args: list[str]):
         from skip_core.config import install_hint
@@ -47,12 +60,19 @@ class _Commands(click.Group):
 @click.version_option(package_name="skip-core")
 def cli() -> None:
     """skip: skip, cache and replay stages of RL post-training."""
+    warnings.formatwarning = _one_line_warning
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """A warning as a user reads it: its category and message on one line, not the source line
+    that raised it."""
+    return f"{category.__name__}: {' '.join(str(message).split())}\n"
 
 
 @cli.command()
 def plugins() -> None:
     """List installed plugins: what each provides (roles, backends, tools ...) and the hooks it implements."""
-    from skip_core.plugins import installed, pm
+    from skip_core.plugins import installed, pm, registry
 
     table = _table("distribution", "version", "plugin", "provides", "hooks")
     for name, dist, version, provided in installed():
@@ -61,6 +81,7 @@ def plugins() -> None:
         hooks = sorted(caller.name for caller in pm.get_hookcallers(pm.get_plugin(name)) or ())
         table.add_row(dist, version, name, ", ".join(offered) or "-", ", ".join(hooks))
     console.print(table)
+    registry()  # a conflict between two plugins: listed above, and the command fails with its line
 
 
 @cli.group(cls=_Commands)
@@ -71,7 +92,7 @@ def cache() -> None:
 def _entries(directory: Path, deep: bool):
     for path in cache_store.scan(directory):
         try:
-            meta = cache_store.verify(path, deep=deep)
+            meta = cache_store.verify(path, deep=deep, root=directory)
             yield path, meta, None
         except cache_store.CorruptEntry as exc:
             yield path, None, str(exc)
@@ -83,7 +104,7 @@ def _entry_table(directory: Path, deep: bool) -> tuple[Table, int]:
     for path, meta, problem in _entries(directory, deep):
         bad += problem is not None
         meta = meta or {}
-        size = sum(f.get("bytes", 0) for f in (meta.get("files") or {}).values()) / 1e6
+        size = sum(f["bytes"] for f in meta["files"].values()) / 1e6 if meta else 0.0
         ok = Text("ok" + ("" if deep else " (sizes)"), style="green")
         status = Text(f"corrupt: {problem}", style="red") if problem else ok
         # Text cells: names and reasons come from files on disk and must never be read as markup.
@@ -120,23 +141,53 @@ def cache_verify(directory: Path) -> None:
     "--min-age",
     default=3600.0,
     show_default=True,
-    help="Seconds since a leftover temporary directory was last touched before it is removed "
-    "(younger ones may belong to a dump in progress).",
+    help="Seconds since a leftover temporary directory was last touched before it is removed, when the "
+    "process that wrote it cannot be asked (another host, an older skip): it may be a dump in progress.",
 )
 def cache_prune(directory: Path, dry_run: bool, min_age: float) -> None:
     """Remove corrupt entries and leftovers of interrupted dumps under DIRECTORY."""
-    # A directory holding files skip did not write (a verl dump) is the user's, corrupt or not.
+    # A directory holding files skip did not write (a verl dump) is the user's, corrupt or not;
+    # a link is removed, never what it points to.
     entries = _entries(directory, deep=True)
     doomed = [(p, f"corrupt: {why}") for p, _, why in entries if why and not cache_store.foreign_files(p)]
     now = time.time()
     for path in cache_store.leftovers(directory):
-        if now - path.stat().st_mtime >= min_age:
+        if cache_store.abandoned_leftover(path) or now - path.lstat().st_mtime >= min_age:
             doomed.append((path, "leftover of an interrupted dump"))
+    if dry_run:
+        for path, why in doomed:
+            console.print(f"would remove {path} ({why})", markup=False, highlight=False)
+        console.print(f"{_count(len(doomed))} to remove")
+        return
+    failed = 0
     for path, why in doomed:
-        console.print(f"{'would remove' if dry_run else 'removing'} {path} ({why})", markup=False, highlight=False)
-        if not dry_run:
-            shutil.rmtree(path, ignore_errors=True)
-    console.print(f"{len(doomed)} director{'y' if len(doomed) == 1 else 'ies'} {'to remove' if dry_run else 'removed'}")
+        if problem := _remove(path):
+            failed += 1
+            console.print(f"could not remove {path} ({why}): {problem}", markup=False, highlight=False)
+        else:
+            console.print(f"removed {path} ({why})", markup=False, highlight=False)
+    console.print(f"{_count(len(doomed) - failed)} removed" + (f", {_count(failed)} could not be" if failed else ""))
+    if failed:
+        sys.exit(1)
+
+
+def _count(n: int) -> str:
+    return f"{n} director{'y' if n == 1 else 'ies'}"
+
+
+def _remove(path: Path) -> str | None:
+    """Delete ``path`` (a link itself, never its target); what went wrong, or ``None``."""
+    errors: list[str] = []
+    try:
+        if path.is_symlink() or not path.is_dir():
+            path.unlink()
+        else:
+            shutil.rmtree(path, onerror=lambda _f, p, exc: errors.append(f"{p}: {exc[1].strerror or exc[1]}"))
+    except OSError as exc:
+        errors.append(exc.strerror or str(exc))
+    if os.path.lexists(path):
+        return errors[0] if errors else "still there"
+    return None
 
 
 def _plugin_commands() -> None:

@@ -187,6 +187,9 @@ class RoleConfig(BaseModel):
     # ``skip_core.encoding.fingerprint``): load anyway with a warning, run the function
     # again and replace the entry, or raise ``PromptMismatchError``.
     on_prompt_mismatch: Literal["warn", "regenerate", "error"] = "warn"
+    # A cache hit generated under another setup than this run's (model, sampling, backend, tools,
+    # chat template: ``skip_core.provenance``): the same three ways, ``SetupMismatchError``.
+    on_setup_mismatch: Literal["warn", "regenerate", "error"] = "warn"
 
     @field_validator("dump_dir", mode="before")
     @classmethod

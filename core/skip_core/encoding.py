@@ -44,16 +44,28 @@ def write(batch: Any, directory: Path) -> list[str]:
     return [TENSORS, DATA]
 
 
-def read(directory: Path) -> Any:
-    """Load a batch written by ``write``; tensors stay backed by the memory-mapped file."""
+def read(directory: Path, payload: Any = None) -> Any:
+    """Load a batch written by ``write``; tensors stay backed by the memory-mapped file.
+
+    ``payload``: ``data.json`` already read (``CacheStore.load`` reads it bounded and checked);
+    by default it is read here, through ``skip_core.reading``. ``ValueError`` for anything that is
+    not what ``write`` wrote.
+    """
     from safetensors.torch import load_file
 
+    from skip_core import reading
     from skip_core.batch import Batch
 
-    tensors = load_file(str(directory / TENSORS))
-    payload = json.loads((directory / DATA).read_text(encoding="utf-8"))
-    non_tensors = {k: decode(v) for k, v in payload["non_tensor_batch"].items()}
-    return Batch(tensors, non_tensors, decode(payload["meta_info"]))
+    if payload is None:
+        payload = reading.read_json(directory / DATA, (directory / DATA).stat().st_size)
+    try:
+        non_tensors = {k: decode(v) for k, v in payload["non_tensor_batch"].items()}
+        meta_info = decode(payload.get("meta_info", {}))
+    except (KeyError, TypeError, AttributeError, OverflowError) as exc:  # shapes JSON can take that write never gave
+        raise ValueError(f"{DATA} does not decode: {exc!r}") from None
+    if not isinstance(meta_info, dict) or not all(isinstance(v, np.ndarray) for v in non_tensors.values()):
+        raise ValueError(f"{DATA} does not hold a batch's non-tensor data")
+    return Batch(load_file(str(directory / TENSORS)), non_tensors, meta_info)
 
 
 def tensors_of(batch: Any) -> dict[str, Any]:

@@ -20,6 +20,21 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+#: A path written ``pkg://<package>/<file>`` names a file shipped inside an installed package.
+PACKAGED = "pkg://"
+
+
+def package_file(path: str) -> Path:
+    """The file at ``path`` (``~`` expanded, relative to the working directory), or at
+    ``pkg://<package>/<file>``, wherever that package is installed. ``ModuleNotFoundError`` names
+    a package that is not installed."""
+    if not path.startswith(PACKAGED):
+        return Path(path).expanduser()
+    package, _, name = path.removeprefix(PACKAGED).partition("/")
+    import importlib.resources
+
+    return Path(str(importlib.resources.files(package) / name))
+
 
 def current_umask() -> int:
     """The process umask, read without changing it (``os.umask`` can only set it) where Linux allows."""
@@ -96,10 +111,11 @@ def owned(prefix: str) -> str:
 
 
 def abandoned(name: str, prefix: str) -> bool:
-    """Whether ``name``, made with ``owned(prefix)``, belongs to no live process: written on this
-    host by a process that is gone. A name without the mark, or from another host, whose process
-    cannot be asked, is never called abandoned."""
-    match = re.match(r"(\d{1,10})@([^-/]+)-", name[len(prefix) :]) if name.startswith(prefix) else None
+    """Whether ``name``, starting with ``prefix`` and marked by ``owned`` (anywhere after it: a
+    step number may come first), belongs to no live process: written on this host by a process
+    that is gone. A name without the mark, or from another host, whose process cannot be asked,
+    is never called abandoned."""
+    match = re.search(r"(?:^|-)(\d{1,10})@([^-/]+)-", name[len(prefix) :]) if name.startswith(prefix) else None
     if match is None or match[2] != _host():
         return False
     try:

@@ -19,6 +19,7 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import os
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -26,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 from skip_core import spans
+from skip_core.caching import SetupMismatchWarning
 from skip_core.config import (
     ConfigError,
     Namespace,
@@ -37,9 +39,12 @@ from skip_core.config import (
     select,
     to_container,
 )
+from skip_core.errors import SkipError
+from skip_core.layout import Layout
 from skip_core.plugins import pm, registry
+from skip_core.provenance import Setup
 from skip_core.roles import Call, Role, prompts_of, prompts_position
-from skip_core.store import CacheStore, CacheWarning, PendingWrite
+from skip_core.store import CacheStore, CacheWarning, CorruptEntry, PendingWrite
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -66,10 +71,11 @@ def _trainer_step() -> int | None:
 
 
 class _Slot:
-    __slots__ = ("config", "enabled", "name", "online", "role", "steps", "store")
+    __slots__ = ("config", "enabled", "layout", "name", "online", "role", "steps", "store")
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self.layout: Layout | None = None  # what the functions decorated with this role return
         self.deactivate()
 
     def deactivate(self) -> None:
@@ -91,7 +97,7 @@ class _Slot:
         meta = getattr(prompts_of(args, kwargs, position), "meta_info", None)
         if isinstance(meta, Mapping) and meta.get("validate"):
             return None  # validation never loads or dumps
-        call = Call(fn, args, kwargs, signature)
+        call = Call(fn, args, kwargs, signature, self.layout)
         if self.online:
             step = pm.hook.skip_resolve_step(role=self.role, config=self.config, call=call)
         else:
@@ -102,19 +108,24 @@ class _Slot:
 
     def would_replace(self, step: int, prompts: Any, generation: int) -> bool:
         """Whether a call at ``step`` with ``prompts`` would be replaced: the lookup the call will
-        make (entry present, verified, inputs matching), without loading. Quiet: a warning or an
-        error it would give belongs to the call, when it comes."""
+        make (entry present, verified, fitting, inputs matching), without loading. What makes a
+        run stop (``on_prompt_mismatch=error`` ...) is raised now, before the run starts, and a
+        replay under another setup is said now; other warnings belong to the call, when it comes."""
         if not self.enabled or (not self.online and step not in self.steps):
             return False
         store = self.store.generation(generation)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        call = Call(None, (prompts,), {}, layout=self.layout)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
             try:
-                hit = pm.hook.skip_precondition(
-                    role=self.role, config=self.config, store=store, step=step, call=Call(None, (prompts,), {})
-                )
-            except Exception:  # e.g. on_prompt_mismatch=error: the call will raise it in its step
-                return False
+                hit = pm.hook.skip_precondition(role=self.role, config=self.config, store=store, step=step, call=call)
+            except SkipError:
+                raise
+            except Exception:
+                hit = None
+        for warning in said:  # said once per run, and the calls will not say it again
+            if issubclass(warning.category, SetupMismatchWarning):
+                warnings.warn(warning.message, stacklevel=3)
         return hit is not None
 
     def replace(self, plan: tuple[int, Call, CacheStore]) -> Any:
@@ -129,6 +140,13 @@ class _Slot:
         try:
             with spans.span("skip_load", role=self.name, source_step=hit.step):
                 result = hooks.skip_warp(role=self.role, config=self.config, store=store, hit=hit, call=call)
+        except CorruptEntry as exc:
+            warnings.warn(
+                f"skip.{self.name} step {step}: ignoring cache entry {exc.path}: {exc}; running it instead",
+                CacheWarning,
+                stacklevel=2,
+            )
+            return _MISS
         except Exception as exc:
             warnings.warn(
                 f"skip.{self.name} step {step}: replacing the call from step {hit.step} failed ({exc!r}); "
@@ -141,6 +159,8 @@ class _Slot:
 
     def dump(self, plan: tuple[int, Call, CacheStore], result: Any) -> None:
         step, call, store = plan
+        if store.read_only:  # said once, at init
+            return
         kwargs = dict(role=self.role, config=self.config, store=store, step=step, call=call, result=result)
         # Announced before the call returns, so the next lookup of this entry waits for it.
         write = store.expect(step)
@@ -249,9 +269,15 @@ class SkipManager:
             _generation.reset(token)
 
     @classmethod
-    def annotate(cls, role: str, **_: Any) -> Callable[[F], F]:
-        """Decorate a function, coroutine function or method as a call of ``role``."""
+    def annotate(cls, role: str, layout: Layout | None = None, **_: Any) -> Callable[[F], F]:
+        """Decorate a function, coroutine function or method as a call of ``role``.
+
+        ``layout`` (``skip_core.layout.Layout``): the tensors the function returns, their dtypes
+        and lengths; a cached result that does not fit them is not loaded but generated again.
+        """
         slot = _slot(role)
+        if layout is not None:
+            slot.layout = layout
 
         def decorate(fn: F) -> F:
             signature = inspect.signature(fn)
@@ -335,6 +361,7 @@ def _parse(config: Any) -> dict[str, tuple[Role, RoleConfig, CacheStore]]:
         raise ConfigError(f"skip: expected a mapping of role sections, got {section!r}")
     roles = registry().roles
     namespace = Namespace.from_config(config)
+    setup = Setup(config)
     active = {}
     for name, raw in section.items():
         if is_hydra_marker(name):
@@ -345,7 +372,7 @@ def _parse(config: Any) -> dict[str, tuple[Role, RoleConfig, CacheStore]]:
             continue
         role_config = parse_section(role.config, f"skip.{name}", raw)
         if role_config.enable:
-            active[name] = (role, role_config, _writable_store(name, role_config, namespace))
+            active[name] = (role, role_config, _open_store(name, role_config, namespace, setup))
     return active
 
 
@@ -360,10 +387,23 @@ def _require_installed(name: str, raw: Any, roles: Mapping[str, Role]) -> None:
     raise ConfigError(f"skip.{name}: no installed plugin provides role {name!r} (installed roles: {installed})")
 
 
-def _writable_store(name: str, config: RoleConfig, namespace: Namespace) -> CacheStore:
-    store = CacheStore(config.dump_path, namespace, role=name)
+def _open_store(name: str, config: RoleConfig, namespace: Namespace, setup: Setup) -> CacheStore:
+    """The role's store, its leftovers of killed dumps removed. One that exists but cannot be
+    written (a shared cache) is read-only: replayed, with a warning that nothing new is dumped."""
+    store = CacheStore(config.dump_path, namespace, role=name, setup=setup)
     try:
         store.check_writable()
     except OSError as exc:
-        raise ConfigError(f"skip.{name}.dump_dir: cannot write to {store.directory}: {exc}") from None
+        if not os.path.isdir(store.directory):
+            raise ConfigError(f"skip.{name}.dump_dir: cannot write to {store.directory}: {exc}") from None
+        store.read_only = True
+        warnings.warn(
+            f"skip.{name}.dump_dir: {store.directory} cannot be written ({exc.strerror or exc}): its entries are "
+            "replayed, and nothing new is dumped",
+            CacheWarning,
+            stacklevel=4,
+        )
+        return store
+    for path in store.remove_leftovers():
+        warnings.warn(f"skip.{name}: removed {path}, left by a dump that was killed", CacheWarning, stacklevel=4)
     return store

@@ -74,7 +74,7 @@ def read_json(
     try:
         return loads(data, depth)
     except ValueError as exc:
-        raise UnsafeFile(f"{Path(path).name}: {exc}") from None
+        raise UnsafeFile(f"{Path(path).name} is not valid JSON: {exc}") from None
 
 
 def loads(data: bytes | str, depth: int = MAX_DEPTH) -> Any:
@@ -83,7 +83,7 @@ def loads(data: bytes | str, depth: int = MAX_DEPTH) -> Any:
     raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
     deepest = nesting(raw)
     if deepest > depth:
-        raise ValueError(f"nested {deepest} levels deep, more than the {depth} allowed")
+        raise ValueError(f"nested {deepest} levels deep, more than the {depth} skip reads")
     return json.loads(raw)
 
 

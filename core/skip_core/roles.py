@@ -8,6 +8,7 @@ from functools import cached_property
 from typing import Any
 
 from skip_core.config import RoleConfig
+from skip_core.layout import Layout
 
 
 @dataclass(frozen=True)
@@ -39,12 +40,14 @@ class Hit:
 
 @dataclass
 class Call:
-    """One call of a decorated function, as the hooks see it."""
+    """One call of a decorated function, as the hooks see it. ``layout``: what the function
+    declared it returns (``SkipManager.annotate(role, layout=...)``), which a replacement must fit."""
 
     function: Any
     args: tuple
     kwargs: dict
     signature: inspect.Signature | None = field(default=None, repr=False)
+    layout: Layout | None = field(default=None, repr=False)
 
     @cached_property
     def arguments(self) -> dict[str, Any]:

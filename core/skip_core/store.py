@@ -10,9 +10,13 @@ Layout (verl's for role ``rollout``, so verl configs work unchanged; any other r
         data.json              Batch.non_tensor_batch and meta_info
     .../GBS.../generation_{k}/{step}/   the k-th extra generation of a step (DAPO), same files
 
-A step directory is written beside its final place (``.tmp-*``), fsynced, and renamed into
-place, so it is complete or absent. Readers verify it before use; anything wrong is a
-warning and a miss, never an exception in the training step.
+A step directory is written beside its final place (``.tmp-*``, named after the process
+writing it), fsynced, and renamed into place, so it is complete or absent. Readers treat every
+entry as hostile (a cache may come from anyone, as a tarball that keeps pipes and links): a step
+directory or file that is a link, a file that is not regular, one larger than recorded or than
+its kind allows, JSON nested too deep, an entry whose tensors do not fit the step
+(``skip_core.layout``) are each a warning naming the path, then a miss; never a hang, a crash
+or a read without end.
 """
 
 from __future__ import annotations
@@ -36,16 +40,22 @@ from typing import Any
 
 import xxhash
 
-from skip_core import encoding
+from skip_core import encoding, reading
 from skip_core.config import Namespace
-from skip_core.files import fsync_dir, publish, write_synced
+from skip_core.files import abandoned, fsync_dir, owned, publish, remove_abandoned, write_synced
+from skip_core.layout import Expected, header
+from skip_core.provenance import Setup
 
 FORMAT = "skip-cache"
 VERSION = 1
 META = "meta.json"
 DATA_FILES = frozenset({encoding.TENSORS, encoding.DATA})
 MAX_META_BYTES = 1 << 20
+#: data.json holds a batch's non-tensor data (messages, tool calls): larger is refused unread.
+MAX_DATA_BYTES = 1 << 30
 SHAPE_PATTERN = re.compile(r"GBS\d+_N\d+_in\d+_out\d+")
+GENERATION = re.compile(r"generation_[0-9]{1,9}")
+STEP_NAME = re.compile(r"[0-9]{1,18}")  # int() takes other scripts' digits, and 5,000 of them
 LEFTOVER_PREFIXES = (".tmp-", ".trash-")
 
 
@@ -54,7 +64,11 @@ class CacheWarning(UserWarning):
 
 
 class CorruptEntry(Exception):
-    """A step directory that must not be loaded; the message says why."""
+    """A step directory that must not be loaded; the message says why, ``path`` which."""
+
+    def __init__(self, reason: str, path: Path | None = None) -> None:
+        super().__init__(reason)
+        self.path = path
 
 
 @dataclass(frozen=True)
@@ -140,12 +154,18 @@ class CacheStore:
     entry that is still being written. ``expect(step)`` announces such a write before it
     starts; lookups of that entry then wait for it (and only for it), so this process sees
     its own dumps exactly as if they had been written synchronously, as verl writes them.
+
+    ``setup`` is what the run generates under (``skip_core.provenance``): every entry records it.
+    ``read_only``: the directory can be read but not written (a shared cache); ``SkipManager``
+    then replays its entries and dumps nothing.
     """
 
-    def __init__(self, root: str | os.PathLike, namespace: Namespace, role: str) -> None:
+    def __init__(self, root: str | os.PathLike, namespace: Namespace, role: str, setup: Setup | None = None) -> None:
         self.root = Path(root).expanduser().absolute()
         self.namespace = namespace
         self.role = role
+        self.setup = setup
+        self.read_only = False
         run = self.root / safe_name(f"{namespace.experiment_name}_{namespace.project_name}")
         # ``rollout`` keeps verl's layout; other roles nest under their name, so roles sharing
         # a dump_dir never share a step directory.
@@ -166,8 +186,17 @@ class CacheStore:
     def check_writable(self) -> None:
         """Create the namespace directory and prove a file can be written there."""
         self._makedirs()
-        with tempfile.NamedTemporaryFile(dir=self.directory, prefix=".tmp-probe-"):
+        with tempfile.NamedTemporaryFile(dir=self.directory, prefix=owned(".tmp-probe-")):
             pass
+
+    def remove_leftovers(self) -> list[Path]:
+        """Delete what killed dumps of this namespace left (``.tmp-*``, ``.trash-*`` of processes
+        that are gone; see ``skip_core.files.abandoned``), here and in the generations' directories."""
+        removed = remove_abandoned(self.directory, LEFTOVER_PREFIXES)
+        for name in _names(self.directory):
+            if name.startswith("generation_") and not os.path.islink(self.directory / name):
+                removed += remove_abandoned(self.directory / name, LEFTOVER_PREFIXES)
+        return removed
 
     def expect(self, step: int) -> PendingWrite:
         """Announce that this process is writing the entry of ``step``; settle the result when done."""
@@ -183,43 +212,56 @@ class CacheStore:
         except OSError as exc:
             warnings.warn(f"skip: cannot list cache directory {self.directory}: {exc}", CacheWarning, stacklevel=2)
             names = []
-        return sorted(pending.union(int(n) for n in names if n.isdigit()))
+        return sorted(pending.union(int(n) for n in names if STEP_NAME.fullmatch(n)))
 
-    def entry(self, step: int) -> Entry | None:
-        """The verified entry of ``step``; a warning and ``None`` if it is present but bad.
+    def entry(self, step: int, expected: Expected | None = None) -> Entry | None:
+        """The verified entry of ``step``, fitting ``expected`` when given; a warning naming it
+        and ``None`` if it is present but bad.
 
         A write of this entry under way in this process is waited for; if it failed, this is a miss.
         """
         if _pending.wait((self.directory, int(step))) is False:
             return None
         path = self.path(step)
-        if not path.exists():
+        if not os.path.lexists(path):
             return None
         try:
-            meta = verify(path, role=self.role, namespace=self.namespace)
-        except CorruptEntry as exc:
-            warnings.warn(f"skip: ignoring cache entry {path}: {exc}", CacheWarning, stacklevel=2)
+            meta = verify(path, role=self.role, namespace=self.namespace, root=self.root)
+            if expected is not None and (problems := expected.problems(header(path / encoding.TENSORS))):
+                raise CorruptEntry(f"it does not fit this step: {'; '.join(problems)}")
+        except Exception as exc:  # CorruptEntry, or safetensors' own refusal of a header it cannot parse
+            warnings.warn(f"skip.{self.role}: ignoring cache entry {path}: {exc}", CacheWarning, stacklevel=2)
             return None
         return Entry(step, path, meta)
 
-    def nearest(self, step: int) -> Entry | None:
+    def nearest(self, step: int, expected: Expected | None = None) -> Entry | None:
         """The entry ``repeat`` uses: this step, else the largest below, else the smallest above."""
         present = self.steps()
         below = sorted((s for s in present if s < step), reverse=True)
         above = sorted(s for s in present if s > step)
         for candidate in [step, *below, *above]:
-            found = self.entry(candidate)
+            found = self.entry(candidate, expected)
             if found is not None:
                 return found
         return None
 
     def load(self, entry: Entry) -> Any:
-        return encoding.read(entry.path)
+        """The batch of a verified entry; ``CorruptEntry`` naming it if its files changed since
+        they were verified or do not decode."""
+        files = entry.meta["files"]
+        try:
+            for name in encoding.TENSORS, encoding.DATA:
+                with reading.opened(entry.path / name, files[name]["bytes"], self.root):
+                    pass  # still the regular file, no larger, that was verified
+            payload = reading.read_json(entry.path / encoding.DATA, files[encoding.DATA]["bytes"], self.root)
+            return encoding.read(entry.path, payload)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CorruptEntry(f"cannot load it: {exc}", entry.path) from None
 
     def save(self, step: int, batch: Any, fingerprint: str | None = None) -> Path:
         """Write ``batch`` as the entry of ``step``, replacing any previous one, atomically."""
         self._makedirs()
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{step}-", dir=self.directory))
+        tmp = Path(tempfile.mkdtemp(prefix=owned(f".tmp-{step}-"), dir=self.directory))
         try:
             names = encoding.write(batch, tmp)
             files = {name: seal(tmp / name) for name in names}
@@ -230,6 +272,7 @@ class CacheStore:
                 "step": int(step),
                 "namespace": dataclasses.asdict(self.namespace),
                 "fingerprint": fingerprint,
+                "setup": self.setup.values if self.setup is not None else None,
                 "samples": len(batch),
                 "files": files,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -238,6 +281,8 @@ class CacheStore:
             write_synced(tmp / META, json.dumps(meta, indent=1).encode())
             fsync_dir(tmp)
             final = self.path(step)
+            if os.path.islink(final) or (os.path.lexists(final) and not os.path.isdir(final)):
+                raise FileExistsError(f"{final} is not a directory skip wrote (a link or a file); left as it is")
             if foreign := foreign_files(final):  # replacing deletes: never what skip did not write
                 raise FileExistsError(f"{final} holds files skip did not write ({', '.join(foreign)}); left as it is")
             publish(tmp, final)
@@ -259,77 +304,105 @@ class CacheStore:
             current.mkdir(exist_ok=True)
 
 
+def _names(directory: Path) -> list[str]:
+    try:
+        return os.listdir(directory)
+    except OSError:
+        return []
+
+
 def foreign_files(path: Path) -> list[str]:
-    """Files of a step directory that skip does not write (a verl dump's ``gen_batch.dp``)."""
+    """Files of a step directory that skip does not write (a verl dump's ``gen_batch.dp``); a link
+    is never listed through."""
+    if os.path.islink(path):
+        return []
     try:  # another writer may be replacing it right now
         return sorted(set(os.listdir(path)) - DATA_FILES - {META})
     except (FileNotFoundError, NotADirectoryError):
         return []
 
 
-def verify(path: Path, role: str | None = None, namespace: Namespace | None = None, deep: bool = True) -> dict:
+def verify(
+    path: Path,
+    role: str | None = None,
+    namespace: Namespace | None = None,
+    deep: bool = True,
+    root: Path | None = None,
+) -> dict:
     """Check one step directory against its ``meta.json``; return the meta or raise ``CorruptEntry``.
 
+    Every file is read through ``skip_core.reading``: regular, not a link, inside ``root`` (the
+    dump directory; by default the step directory's parent), no larger than recorded.
     ``deep=False`` checks sizes only (for listings); loading always checks hashes too.
     """
-    meta = _read_meta(path / META)
+    path = Path(path)
+    root = path.parent if root is None else root
+    if os.path.islink(path):
+        raise CorruptEntry("the step directory is a symbolic link; skip never follows links in a cache", path)
+    if not os.path.isdir(path):
+        raise CorruptEntry("not a directory", path)
+    meta = _read_meta(path / META, root)
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         if other := foreign_files(path):
-            raise CorruptEntry(f"not a skip entry: holds {', '.join(other)}")
-        raise CorruptEntry(f"unsupported format {meta.get('format')!r} version {meta.get('version')!r}")
+            raise CorruptEntry(f"not a skip entry: holds {', '.join(other)}", path)
+        raise CorruptEntry(f"unsupported format {meta.get('format')!r} version {meta.get('version')!r}", path)
     if str(meta.get("step")) != path.name:
-        raise CorruptEntry(f"meta.json records step {meta.get('step')!r} in directory {path.name!r}")
+        raise CorruptEntry(f"meta.json records step {meta.get('step')!r} in directory {path.name!r}", path)
     if role is not None and meta.get("role") != role:
-        raise CorruptEntry(f"written for role {meta.get('role')!r}, not {role!r}")
+        raise CorruptEntry(f"written for role {meta.get('role')!r}, not {role!r}", path)
     if namespace is not None and meta.get("namespace") != dataclasses.asdict(namespace):
-        raise CorruptEntry(f"written by another run: namespace {meta.get('namespace')!r}")
+        raise CorruptEntry(f"written by another run: namespace {meta.get('namespace')!r}", path)
     files = meta.get("files")
     if not isinstance(files, dict) or set(files) != DATA_FILES:
-        raise CorruptEntry(f"meta.json lists files {sorted(files) if isinstance(files, dict) else files!r}")
+        raise CorruptEntry(f"meta.json lists files {sorted(files) if isinstance(files, dict) else files!r}", path)
     for name, expected in files.items():
-        _check_file(path / name, expected, deep)
+        _check_file(path / name, expected, deep, root)
     return meta
 
 
-def _read_meta(path: Path) -> dict:
+def _read_meta(path: Path, root: Path) -> dict:
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_META_BYTES + 1)
+        meta = reading.read_json(path, MAX_META_BYTES, root)
     except FileNotFoundError:
-        raise CorruptEntry("incomplete: meta.json is missing") from None
-    except OSError as exc:
-        raise CorruptEntry(f"cannot read meta.json: {exc}") from None
-    if len(raw) > MAX_META_BYTES:
-        raise CorruptEntry("meta.json is too large")
-    try:
-        meta = json.loads(raw)
-    except ValueError as exc:
-        raise CorruptEntry(f"meta.json is not valid JSON: {exc}") from None
+        raise CorruptEntry("incomplete: meta.json is missing", path.parent) from None
+    except reading.UnsafeFile as exc:
+        raise CorruptEntry(str(exc), path.parent) from None
+    except (OSError, ValueError) as exc:
+        raise CorruptEntry(f"cannot read meta.json: {exc}", path.parent) from None
     if not isinstance(meta, dict):
-        raise CorruptEntry("meta.json is not an object")
+        raise CorruptEntry("meta.json is not an object", path.parent)
     return meta
 
 
-def _check_file(path: Path, expected: Any, deep: bool) -> None:
-    if not isinstance(expected, dict):
-        raise CorruptEntry(f"meta.json entry for {path.name} is malformed")
+def _check_file(path: Path, expected: Any, deep: bool, root: Path) -> None:
+    size = expected.get("bytes") if isinstance(expected, dict) else None
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise CorruptEntry(f"meta.json entry for {path.name} is malformed", path.parent)
+    limit = MAX_DATA_BYTES if path.name == encoding.DATA else None
+    if limit is not None and size > limit:
+        raise CorruptEntry(f"{path.name} records {size} bytes, more than the {limit} allowed", path.parent)
     try:
-        size = path.stat().st_size
-        if size != expected.get("bytes"):
-            raise CorruptEntry(f"{path.name} has {size} bytes, meta.json records {expected.get('bytes')}")
-        if deep and file_digest(path) != expected.get("xxh3_128"):
-            raise CorruptEntry(f"{path.name} does not match its recorded hash")
-    except OSError as exc:
-        raise CorruptEntry(f"cannot read {path.name}: {exc}") from None
+        with reading.opened(path, limit, root) as fd:
+            actual = os.fstat(fd).st_size
+            if actual != size:
+                raise CorruptEntry(f"{path.name} has {actual} bytes, meta.json records {size}", path.parent)
+            if deep and _digest(fd) != expected.get("xxh3_128"):
+                raise CorruptEntry(f"{path.name} does not match its recorded hash", path.parent)
+    except (OSError, ValueError) as exc:
+        raise CorruptEntry(f"cannot read {path.name}: {exc}", path.parent) from None
 
 
 def file_digest(path: Path) -> str:
     """xxh3-128 of a file, read through a memory map (no copy into Python)."""
     with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return xxhash.xxh3_128_hexdigest(b"")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
-            return xxhash.xxh3_128_hexdigest(view)
+        return _digest(f.fileno())
+
+
+def _digest(fd: int) -> str:
+    if os.fstat(fd).st_size == 0:
+        return xxhash.xxh3_128_hexdigest(b"")
+    with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as view:
+        return xxhash.xxh3_128_hexdigest(view)
 
 
 def seal(path: Path) -> dict:
@@ -356,18 +429,34 @@ def seal(path: Path) -> dict:
 
 
 def scan(root: Path) -> Iterator[Path]:
-    """Every step directory under ``root`` (a dump_dir or any directory inside one)."""
+    """Every step directory under ``root`` (a dump_dir or any directory inside one), the extra
+    generations' included, and every link or file named like one (which ``verify`` refuses);
+    links are never followed."""
     root = Path(root)
-    if root.name.isdigit() and SHAPE_PATTERN.fullmatch(root.parent.name):
+    if STEP_NAME.fullmatch(root.name) and _holds_steps(root.parent):
         yield root
         return
-    for dirpath, dirnames, _ in os.walk(root):
-        dirnames.sort(key=lambda n: (not n.isdigit(), int(n) if n.isdigit() else 0, n))
-        if SHAPE_PATTERN.fullmatch(os.path.basename(dirpath)):
-            for name in dirnames:
-                if name.isdigit():
-                    yield Path(dirpath) / name
-            dirnames[:] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        if _holds_steps(here):
+            steps = {name for name in (*dirnames, *filenames) if STEP_NAME.fullmatch(name)}
+            yield from (here / name for name in sorted(steps, key=lambda n: (len(n), n)))
+            dirnames[:] = sorted(n for n in dirnames if GENERATION.fullmatch(n) and not (here / n).is_symlink())
+        else:
+            dirnames.sort()
+
+
+def _holds_steps(directory: Path) -> bool:
+    """A namespace directory (``GBS..._N..._in..._out...``) or a generation's inside one."""
+    name = directory.name
+    return bool(
+        SHAPE_PATTERN.fullmatch(name) or (GENERATION.fullmatch(name) and SHAPE_PATTERN.fullmatch(directory.parent.name))
+    )
+
+
+def abandoned_leftover(path: Path) -> bool:
+    """Whether a leftover (``leftovers``) was written by a process of this host that is gone."""
+    return any(abandoned(path.name, prefix) for prefix in LEFTOVER_PREFIXES)
 
 
 def leftovers(root: Path) -> Iterator[Path]:

@@ -23,8 +23,8 @@ from skiptests import ROOT, run_config
         ({"steps": [1, -2]}, "skip.rollout.steps[1]: expected an integer >= 0, got -2"),
         (
             {"stpes": [1]},
-            "skip.rollout.stpes: unknown key (allowed: action, dump_dir, enable, on_prompt_mismatch, steps); "
-            "did you mean skip.rollout.steps?",
+            "skip.rollout.stpes: unknown key (allowed: action, dump_dir, enable, on_prompt_mismatch, "
+            "on_setup_mismatch, steps); did you mean skip.rollout.steps?",
         ),
         (
             {"on_prompt_mismatch": "ignore"},

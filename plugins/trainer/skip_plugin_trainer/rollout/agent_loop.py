@@ -28,7 +28,7 @@ from skip_core.loop_thread import LoopThread
 from skip_core.manager import SkipManager
 
 from skip_plugin_trainer.rollout.chat import ChatFormat
-from skip_plugin_trainer.rollout.padding import pad_requests
+from skip_plugin_trainer.rollout.padding import ROLLOUT_LAYOUT, pad_requests
 from skip_plugin_trainer.rollout.request import Request, State
 from skip_plugin_trainer.rollout.tools import Tool, ToolCall, ToolParser, ToolResponse
 from skip_plugin_trainer.rollout.weights import EngineWeights
@@ -66,12 +66,12 @@ class AgentLoop:
 
     # -- public entry points: the units skip roles replace --------------------------------
 
-    @SkipManager.annotate(role="rollout")
+    @SkipManager.annotate(role="rollout", layout=ROLLOUT_LAYOUT)
     def generate_sequences(self, prompts: Batch) -> Batch:
         """Roll out every prompt of the batch (``n`` samples each) and return them padded."""
         return self._loop.run(self._generate(prompts, sample_key=None))
 
-    @SkipManager.annotate(role="async_rollout")
+    @SkipManager.annotate(role="async_rollout", layout=ROLLOUT_LAYOUT)
     async def generate_sequences_single(self, prompts: Batch, sample_id: str) -> Batch:
         """Roll out one streamed prompt; ``sample_id`` (``sample_{epoch}_{index}``) seeds it."""
         return await self._loop.run_async(self._generate(prompts, sample_key=sample_id))

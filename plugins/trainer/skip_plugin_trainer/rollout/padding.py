@@ -14,6 +14,23 @@ from typing import Any
 import numpy as np
 import torch
 from skip_core.batch import Batch
+from skip_core.layout import Column, Layout
+
+#: What ``pad_requests`` returns: ``rollout.n`` samples per prompt, the prompt's columns
+#: (``data.max_prompt_length``) and the response's (``data.max_response_length``). A cached
+#: rollout that does not fit it is generated again, not loaded (``skip_core.layout``).
+ROLLOUT_LAYOUT = Layout(
+    {
+        "prompts": Column("int64", "prompt"),
+        "responses": Column("int64", "response"),
+        "input_ids": Column("int64", "sequence"),
+        "attention_mask": Column("int64", "sequence"),
+        "position_ids": Column("int64", "sequence"),
+        "response_mask": Column("int64", "response"),
+        "rollout_log_probs": Column("float32", "response"),
+    },
+    per_prompt=True,
+)
 
 
 def pad_requests(requests: Sequence[Any], prompt_length: int, response_length: int, tokenizer: Any) -> Batch:

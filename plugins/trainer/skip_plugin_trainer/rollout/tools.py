@@ -10,7 +10,6 @@ the YAML only names registered tools, so a config file can never import code.
 
 from __future__ import annotations
 
-import importlib.resources
 import json
 import re
 from abc import ABC, abstractmethod
@@ -21,9 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 from skip_core.config import ConfigError
-
-#: ``rollout.multi_turn.tools_config: pkg://<package>/<file>`` names a file shipped inside a package.
-PACKAGED = "pkg://"
+from skip_core.files import package_file
 
 
 @dataclass(frozen=True)
@@ -148,14 +145,11 @@ def load_tools(path: str | Path | None) -> dict[str, Tool]:
 def tools_file(path: str) -> Path:
     """The tools YAML at ``path``, relative to the working directory, or at
     ``pkg://<package>/<file>``: shipped inside an installed package, found wherever it is installed."""
-    if not path.startswith(PACKAGED):
-        return Path(path).expanduser()
-    package, _, name = path.removeprefix(PACKAGED).partition("/")
     try:
-        return Path(str(importlib.resources.files(package) / name))
-    except ModuleNotFoundError:
+        return package_file(path)
+    except ModuleNotFoundError as exc:
         raise ConfigError(
-            f"rollout.multi_turn.tools_config: {path!r} is in package {package!r}, which is not installed"
+            f"rollout.multi_turn.tools_config: {path!r} is in package {exc.name!r}, which is not installed"
         ) from None
 
 

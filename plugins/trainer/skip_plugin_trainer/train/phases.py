@@ -10,6 +10,7 @@ from typing import Any
 
 import ray
 from skip_core.batch import Batch
+from skip_core.layout import Column, Layout
 from skip_core.manager import SkipManager
 from skip_core.schedule import StepRecord
 
@@ -23,6 +24,13 @@ from skip_plugin_trainer.train.value import gae_advantages, value_metrics
 ACTOR_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 # What a reward function reads beside the tokens.
 REWARD_INPUTS = ("data_source", "ground_truth", "extra_info", "reward_scores")
+# What each cached phase returns, one row per sample and a column per response token: a cached
+# result that does not fit is computed again, not loaded (``skip_core.layout``).
+PER_TOKEN = Column("float32", "response")
+REWARD = Layout({"token_level_scores": PER_TOKEN})
+OLD_LOG_PROB = Layout({"old_log_probs": PER_TOKEN, "entropys": PER_TOKEN})
+REF_LOG_PROB = Layout({"ref_log_prob": PER_TOKEN})
+VALUES = Layout({"values": PER_TOKEN})
 
 
 class Phases:
@@ -69,7 +77,7 @@ class Phases:
         batch.batch["token_level_scores"] = out.batch["token_level_scores"]
         batch.non_tensor_batch.update(out.non_tensor_batch)
 
-    @SkipManager.annotate(role="reward")
+    @SkipManager.annotate(role="reward", layout=REWARD)
     def reward(self, inputs: Batch) -> Batch:
         """Token-level scores and their parts: skip's ``reward`` role replays them on its steps,
         only for the very prompts and responses they scored (its fingerprint covers both)."""
@@ -88,7 +96,7 @@ class Phases:
             metrics["training/rollout_probs_diff_mean"] = diff.mean().item()
         return metrics
 
-    @SkipManager.annotate(role="old_log_prob")
+    @SkipManager.annotate(role="old_log_prob", layout=OLD_LOG_PROB)
     def old_log_prob(self, inputs: Batch) -> Batch:
         """``old_log_probs`` and ``entropys`` under the weights about to be updated: skip's
         ``old_log_prob`` role replays them on its steps (exact when every earlier step was)."""
@@ -107,13 +115,13 @@ class Phases:
         batch.batch["rollout_is_weights"] = weights
         return metrics
 
-    @SkipManager.annotate(role="ref_log_prob")
+    @SkipManager.annotate(role="ref_log_prob", layout=REF_LOG_PROB)
     def compute_ref_log_prob(self, inputs: Batch) -> Batch:
         """Log-probs of the responses under the frozen reference model: skip's ``ref_log_prob``
         role replays them on its steps (exact: same reference weights, same inputs)."""
         return ray.get(self.actor.compute_ref_log_prob.remote(inputs))
 
-    @SkipManager.annotate(role="values")
+    @SkipManager.annotate(role="values", layout=VALUES)
     def compute_values(self, inputs: Batch) -> Batch:
         """The critic's ``values``: skip's ``values`` role replays them on its steps (exact when
         every earlier step was, so the critic holds the same weights)."""

@@ -27,7 +27,7 @@ from skip_core import spans
 from skip_core.batch import Batch
 from skip_core.manager import SkipManager
 
-from skip_plugin_trainer.rollout.padding import merge_rollout_stats
+from skip_plugin_trainer.rollout.padding import ROLLOUT_LAYOUT, merge_rollout_stats
 from skip_plugin_trainer.train.located import Where
 
 SHUTDOWN_TIMEOUT_S = 120
@@ -107,7 +107,7 @@ class RolloutGroup:
                     self._push(range(len(workers)), False, "while it was given the weights")
             return workers
 
-    @SkipManager.annotate(role="rollout")
+    @SkipManager.annotate(role="rollout", layout=ROLLOUT_LAYOUT)
     def generate_sequences(self, prompts: Batch) -> Batch:
         """Split the prompts evenly across workers, generate concurrently, and rejoin in order."""
         self.calls += 1
@@ -125,7 +125,7 @@ class RolloutGroup:
             merged.meta_info = {"rollout": merge_rollout_stats([out.meta_info["rollout"] for out in outputs])}
         return merged
 
-    @SkipManager.annotate(role="async_rollout")
+    @SkipManager.annotate(role="async_rollout", layout=ROLLOUT_LAYOUT)
     async def generate_sequences_single(self, prompts: Batch, sample_id: str) -> Batch:
         """One streamed prompt (``sample_{epoch}_{index}``), on the workers in turn: the unit skip's
         ``async_rollout`` role wraps. Workers take many at once; their engines batch them. A sample
