@@ -71,11 +71,10 @@ def _trainer_step() -> int | None:
 
 
 class _Slot:
-    __slots__ = ("config", "enabled", "layout", "name", "online", "role", "steps", "store")
+    __slots__ = ("config", "enabled", "name", "online", "role", "steps", "store")
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.layout: Layout | None = None  # what the functions decorated with this role return
         self.deactivate()
 
     def deactivate(self) -> None:
@@ -92,12 +91,14 @@ class _Slot:
         self.steps = config.steps
         self.enabled = True
 
-    def plan(self, fn: Callable, signature: inspect.Signature, position: int, args: tuple, kwargs: dict):
-        """The ``(step, call)`` of an eligible call, or ``None`` to run it untouched."""
+    def plan(self, fn: Callable, how: tuple[inspect.Signature, int, Layout | None], args: tuple, kwargs: dict):
+        """The ``(step, call)`` of an eligible call, or ``None`` to run it untouched. ``how``: the
+        function's signature, where its prompts are, and the layout it declared it returns."""
+        signature, position, layout = how
         meta = getattr(prompts_of(args, kwargs, position), "meta_info", None)
         if isinstance(meta, Mapping) and meta.get("validate"):
             return None  # validation never loads or dumps
-        call = Call(fn, args, kwargs, signature, self.layout)
+        call = Call(fn, args, kwargs, signature, layout)
         if self.online:
             step = pm.hook.skip_resolve_step(role=self.role, config=self.config, call=call)
         else:
@@ -106,7 +107,7 @@ class _Slot:
             return None
         return step, call, self.store.generation(_generation.get())
 
-    def would_replace(self, step: int, prompts: Any, generation: int) -> bool:
+    def would_replace(self, step: int, prompts: Any, generation: int, layout: Layout | None) -> bool:
         """Whether a call at ``step`` with ``prompts`` would be replaced: the lookup the call will
         make (entry present, verified, fitting, inputs matching), without loading. What makes a
         run stop (``on_prompt_mismatch=error`` ...) is raised now, before the run starts, and a
@@ -114,7 +115,7 @@ class _Slot:
         if not self.enabled or (not self.online and step not in self.steps):
             return False
         store = self.store.generation(generation)
-        call = Call(None, (prompts,), {}, layout=self.layout)
+        call = Call(None, (prompts,), {}, layout=layout)
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
             try:
@@ -276,23 +277,24 @@ class SkipManager:
         and lengths; a cached result that does not fit them is not loaded but generated again.
         """
         slot = _slot(role)
-        if layout is not None:
-            slot.layout = layout
 
         def decorate(fn: F) -> F:
             signature = inspect.signature(fn)
-            position = prompts_position(signature)
+            how = (signature, prompts_position(signature), layout)
             if inspect.iscoroutinefunction(fn):
-                return functools.wraps(fn)(_async_wrapper(slot, fn, signature, position))
-            return functools.wraps(fn)(_sync_wrapper(slot, fn, signature, position))
+                return functools.wraps(fn)(_async_wrapper(slot, fn, how))
+            return functools.wraps(fn)(_sync_wrapper(slot, fn, how))
 
         return decorate
 
     @classmethod
-    def would_replace(cls, role: str, step: int, prompts: Any, generation: int = 0) -> bool:
+    def would_replace(
+        cls, role: str, step: int, prompts: Any, generation: int = 0, layout: Layout | None = None
+    ) -> bool:
         """Whether a call of ``role`` at trainer (or online) step ``step`` with ``prompts`` would
-        come from the cache: a trainer can tell ahead which work it will not have to do."""
-        return _slot(role).would_replace(step, prompts, generation)
+        come from the cache: a trainer can tell ahead which work it will not have to do.
+        ``layout``: what the function that will be called declared it returns."""
+        return _slot(role).would_replace(step, prompts, generation, layout)
 
     @classmethod
     def stores(cls) -> dict[str, CacheStore]:
@@ -321,11 +323,11 @@ class SkipManager:
         _clock.step = None
 
 
-def _sync_wrapper(slot: _Slot, fn: Callable, signature: inspect.Signature, position: int) -> Callable:
+def _sync_wrapper(slot: _Slot, fn: Callable, how: tuple) -> Callable:
     def wrapper(*args, **kwargs):
         if not slot.enabled or (not slot.online and _trainer_step() not in slot.steps):
             return fn(*args, **kwargs)
-        plan = slot.plan(fn, signature, position, args, kwargs)
+        plan = slot.plan(fn, how, args, kwargs)
         if plan is None:
             return fn(*args, **kwargs)
         result = slot.replace(plan)
@@ -337,11 +339,11 @@ def _sync_wrapper(slot: _Slot, fn: Callable, signature: inspect.Signature, posit
     return wrapper
 
 
-def _async_wrapper(slot: _Slot, fn: Callable, signature: inspect.Signature, position: int) -> Callable:
+def _async_wrapper(slot: _Slot, fn: Callable, how: tuple) -> Callable:
     async def wrapper(*args, **kwargs):
         if not slot.enabled or (not slot.online and _trainer_step() not in slot.steps):
             return await fn(*args, **kwargs)
-        plan = slot.plan(fn, signature, position, args, kwargs)
+        plan = slot.plan(fn, how, args, kwargs)
         if plan is None:
             return await fn(*args, **kwargs)
         result = await asyncio.to_thread(slot.replace, plan)  # verification reads files

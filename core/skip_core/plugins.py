@@ -21,6 +21,7 @@ from typing import Any
 import pluggy
 
 from skip_core import caching, hookspecs
+from skip_core.errors import SkipError
 
 pm = pluggy.PluginManager("skip")
 pm.add_hookspecs(hookspecs)
@@ -71,12 +72,17 @@ def _add_hookspecs(module: Any) -> None:
         pm.add_hookspecs(module)
 
 
+class PluginConflict(SkipError):
+    """Two installed plugins register the same name (a role, a config section, a backend ...)."""
+
+
 class Registry:
     """What the loaded plugins registered, by kind (``registry().roles``, ``.tools`` ...), and who registered it."""
 
     def __init__(self) -> None:
         self.kinds: dict[str, dict[str, Any]] = {}
         self.provider: dict[tuple[str, str], str] = {}
+        self.conflicts: list[str] = []  # one line each; the first registration of a name is kept
 
     def __getattr__(self, kind: str) -> dict[str, Any]:
         if kind.startswith("_") or kind not in self.kinds:
@@ -84,8 +90,10 @@ class Registry:
         return self.kinds[kind]
 
 
-def registry() -> Registry:
-    """Call every registration hook, attributing each registered name to its plugin."""
+def registry(strict: bool = True) -> Registry:
+    """Call every registration hook, attributing each registered name to its plugin. Two plugins
+    registering one name raise ``PluginConflict`` naming both and how to choose; ``strict=False``
+    returns the registry with the first of them kept (``skip plugins`` lists it, then fails)."""
     load_plugins()
     reg = Registry()
     for hook_name in sorted(vars(pm.hook)):
@@ -96,6 +104,10 @@ def registry() -> Registry:
         reg.kinds.setdefault(kind, {})
         for impl in hook.get_hookimpls():
             impl.function(register=_registrar(reg, kind, impl.plugin_name))
+    if strict and reg.conflicts:
+        raise PluginConflict(
+            reg.conflicts[0] + (f" (and {len(reg.conflicts) - 1} more)" if len(reg.conflicts) > 1 else "")
+        )
     return reg
 
 
@@ -105,12 +117,22 @@ def _registrar(reg: Registry, kind: str, plugin: str) -> Callable:
     def register(item: Any, factory: Callable | None = None) -> None:
         name = item.name if factory is None else item
         if name in table:
-            other = distribution(reg.provider[(kind, name)])
-            raise ValueError(f"{kind[:-1]} {name!r} is registered by both {other} and {distribution(plugin)}")
+            first, second = distribution(reg.provider[(kind, name)]), distribution(plugin)
+            reg.conflicts.append(
+                f"{kind[:-1]} {name!r} is registered by both {first} and {second}; choose one by naming the "
+                f"distributions to load: SKIP_PLUGINS={_all_but(second)} (or uninstall one of them)"
+            )
+            return
         table[name] = item if factory is None else factory
         reg.provider[(kind, name)] = plugin
 
     return register
+
+
+def _all_but(unwanted: str) -> str:
+    """The loaded distributions other than ``unwanted`` and core (which always loads), for ``SKIP_PLUGINS``."""
+    names = dict.fromkeys(dist for dist, _ in _distributions.values() if dist not in (unwanted, "skip-core"))
+    return ",".join(names)
 
 
 def distribution(plugin: str) -> str:
@@ -119,7 +141,7 @@ def distribution(plugin: str) -> str:
 
 def installed() -> list[tuple[str, str, str, dict[str, list[str]]]]:
     """(plugin name, distribution, version, {kind: names it registered}) for each loaded plugin."""
-    reg = registry()
+    reg = registry(strict=False)
     rows = []
     for name, _ in pm.list_name_plugin():
         dist, ver = _distributions.get(name, (name, "?"))

@@ -388,7 +388,9 @@ def _check_file(path: Path, expected: Any, deep: bool, root: Path) -> None:
                 raise CorruptEntry(f"{path.name} has {actual} bytes, meta.json records {size}", path.parent)
             if deep and _digest(fd) != expected.get("xxh3_128"):
                 raise CorruptEntry(f"{path.name} does not match its recorded hash", path.parent)
-    except (OSError, ValueError) as exc:
+    except reading.UnsafeFile as exc:
+        raise CorruptEntry(str(exc), path.parent) from None
+    except OSError as exc:
         raise CorruptEntry(f"cannot read {path.name}: {exc}", path.parent) from None
 
 

@@ -7,8 +7,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
 REPORT = """
 import json, warnings
 with warnings.catch_warnings(record=True) as caught:
@@ -129,9 +127,11 @@ def test_two_plugins_registering_one_role_is_an_error(tmp_path):
             register(Role(name="rollout"))
         """,
     )
-    with pytest.raises(subprocess.CalledProcessError) as error:
-        loaded(site=tmp_path)
-    assert "role 'rollout' is registered by both" in error.value.stderr
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    code = "from skip_core.plugins import registry; registry()"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 1 and "PluginConflict: role 'rollout' is registered by both" in done.stderr
+    assert "SKIP_PLUGINS=" in done.stderr
 
 
 def heavy_modules(statement: str, prefixes: tuple[str, ...]) -> list[str]:

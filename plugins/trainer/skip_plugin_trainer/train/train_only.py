@@ -17,6 +17,7 @@ from skip_core.manager import SkipManager
 from skip_core.schedule import Schedule
 
 from skip_plugin_trainer.data import PromptLoader, generation_inputs
+from skip_plugin_trainer.rollout.padding import ROLLOUT_LAYOUT
 from skip_plugin_trainer.settings import RunSettings
 from skip_plugin_trainer.train.checkpoint import Checkpoint
 
@@ -51,7 +52,7 @@ def plan_engines(
         first = resume_from.step + 1
     steps = range(first, total_steps + 1)
     for step in steps:
-        if not SkipManager.would_replace("rollout", step, generation_inputs(next(loader))):
+        if not SkipManager.would_replace("rollout", step, generation_inputs(next(loader)), layout=ROLLOUT_LAYOUT):
             return EnginePlan(False)
     covered = f"every generation of steps {first}-{total_steps} is in the skip cache ({store.directory})"
     if validates:
