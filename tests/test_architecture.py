@@ -57,10 +57,12 @@ def _is_import_module(node: ast.AST) -> bool:
 def test_core_is_small():
     # 2500 until the core took on the declared config sections and the event-loop thread its
     # four users share (issue 21), 2800 until a trainer could ask the cache ahead
-    # (``SkipManager.would_replace``, train-only) and steps came as ranges (issue 25); a bound
-    # still, so that growth is a decision.
+    # (``SkipManager.would_replace``, train-only) and steps came as ranges (issue 25), 3750 since
+    # every entry is read as hostile input: one reader for files (``reading``), the layout a
+    # replayed result must fit (``layout``), the setup that produced it (``provenance``) and
+    # steps kept as ranges (issue 35); a bound still, so that growth is a decision.
     lines = sum(len(path.read_text().splitlines()) for path in modules("core").values())
-    assert lines <= 2850, f"skip-core has {lines} lines"
+    assert lines <= 3750, f"skip-core has {lines} lines"
 
 
 def test_core_imports_no_plugin_even_by_name():

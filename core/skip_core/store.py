@@ -44,6 +44,7 @@ from skip_core import encoding, reading
 from skip_core.config import Namespace
 from skip_core.files import abandoned, fsync_dir, owned, publish, remove_abandoned, write_synced
 from skip_core.layout import Expected, header
+from skip_core.pending import PendingWrite, pending_writes
 from skip_core.provenance import Setup
 
 FORMAT = "skip-cache"
@@ -88,63 +89,6 @@ def safe_name(text: str) -> str:
     """One path component made from config text: no separators, no leading dots."""
     name = re.sub(r"[^A-Za-z0-9._=+-]", "_", text)[:200]
     return re.sub(r"^\.+", lambda m: "_" * len(m.group()), name) or "_"
-
-
-class PendingWrite:
-    """An entry this process has started writing; lookups of it wait until it is settled."""
-
-    __slots__ = ("_done", "_key", "ok")
-
-    def __init__(self, key: tuple[Path, int]) -> None:
-        self._key = key
-        self._done = threading.Event()
-        self.ok = False
-
-    def settle(self, ok: bool) -> None:
-        """Record the outcome and release the waiting lookups; call exactly once."""
-        self.ok = ok
-        _pending.remove(self._key, self)
-        self._done.set()
-
-    def wait(self) -> bool:
-        self._done.wait()
-        return self.ok
-
-
-class _PendingWrites:
-    """Process-wide, keyed by (namespace directory, step): every store of a directory sees them."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._writes: dict[tuple[Path, int], list[PendingWrite]] = {}
-
-    def add(self, key: tuple[Path, int]) -> PendingWrite:
-        write = PendingWrite(key)
-        with self._lock:
-            self._writes.setdefault(key, []).append(write)
-        return write
-
-    def remove(self, key: tuple[Path, int], write: PendingWrite) -> None:
-        with self._lock:
-            writes = self._writes.get(key, [])
-            if write in writes:
-                writes.remove(write)
-            if not writes:
-                self._writes.pop(key, None)
-
-    def wait(self, key: tuple[Path, int]) -> bool | None:
-        """Wait for the writes of ``key`` started so far: ``None`` if there were none, else the newest's outcome."""
-        with self._lock:
-            writes = list(self._writes.get(key, ()))
-        outcomes = [write.wait() for write in writes]
-        return outcomes[-1] if outcomes else None
-
-    def steps(self, directory: Path) -> set[int]:
-        with self._lock:
-            return {step for where, step in self._writes if where == directory}
-
-
-_pending = _PendingWrites()
 
 
 class CacheStore:
@@ -200,11 +144,11 @@ class CacheStore:
 
     def expect(self, step: int) -> PendingWrite:
         """Announce that this process is writing the entry of ``step``; settle the result when done."""
-        return _pending.add((self.directory, int(step)))
+        return pending_writes.add((self.directory, int(step)))
 
     def steps(self) -> list[int]:
         """Steps that have a directory, valid or not, or a write of this process under way."""
-        pending = _pending.steps(self.directory)
+        pending = pending_writes.steps(self.directory)
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:
@@ -220,7 +164,7 @@ class CacheStore:
 
         A write of this entry under way in this process is waited for; if it failed, this is a miss.
         """
-        if _pending.wait((self.directory, int(step))) is False:
+        if pending_writes.wait((self.directory, int(step))) is False:
             return None
         path = self.path(step)
         if not os.path.lexists(path):
