@@ -24,6 +24,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from pathlib import Path
 from typing import Any, TypeVar
 
 from skip_core import spans
@@ -165,7 +166,7 @@ class _Slot:
         kwargs = dict(role=self.role, config=self.config, store=store, step=step, call=call, result=result)
         # Announced before the call returns, so the next lookup of this entry waits for it.
         write = store.expect(step)
-        _dumps.submit(self.name, step, functools.partial(pm.hook.skip_dump, **kwargs), write)
+        _dumps.submit(self.name, step, store.path(step), functools.partial(pm.hook.skip_dump, **kwargs), write)
 
 
 class _Dumps:
@@ -176,14 +177,14 @@ class _Dumps:
         self._pending: set[Future] = set()
         self._executor: ThreadPoolExecutor | None = None
 
-    def submit(self, role: str, step: int, work: Callable[[], Any], write: PendingWrite) -> None:
+    def submit(self, role: str, step: int, path: Path, work: Callable[[], Any], write: PendingWrite) -> None:
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="skip-dump")
                 atexit.register(self.flush)
             # In the caller's context, so the dump's span lands in the step that produced it.
             try:
-                future = self._executor.submit(contextvars.copy_context().run, _dump, role, step, work, write)
+                future = self._executor.submit(contextvars.copy_context().run, _dump, role, step, path, work, write)
             except RuntimeError as exc:  # the interpreter is shutting down
                 write.settle(False)
                 warnings.warn(f"skip.{role} step {step}: dump not started: {exc!r}", CacheWarning, stacklevel=3)
@@ -201,15 +202,17 @@ class _Dumps:
         wait(pending)
 
 
-def _dump(role: str, step: int, work: Callable[[], Any], write: PendingWrite) -> None:
-    """Run one dump; a failure is a warning, and a miss for the lookups waiting on ``write``."""
+def _dump(role: str, step: int, path: Path, work: Callable[[], Any], write: PendingWrite) -> None:
+    """Run one dump; a failure is a warning naming the entry (a full disk's error names no file),
+    and a miss for the lookups waiting on ``write``."""
     ok = False
     try:
         with spans.span("skip_dump", role=role):
             work()
         ok = True
     except Exception as exc:
-        warnings.warn(f"skip.{role} step {step}: dump failed, training continues: {exc!r}", CacheWarning, stacklevel=1)
+        what = f"skip.{role} step {step}: dump failed, training continues: {exc!r}"
+        warnings.warn(f"{what} (writing {path})", CacheWarning, stacklevel=1)
     finally:
         write.settle(ok)
 

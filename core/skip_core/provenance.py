@@ -43,8 +43,7 @@ class Setup:
     template, tools) are read on first use, when a task may have built them meanwhile."""
 
     def __init__(self, config: Any) -> None:
-        rollout = to_container(select(config, ROLLOUT)) or {}
-        model = to_container(select(config, MODEL)) or {}
+        rollout, model = _section(config, ROLLOUT), _section(config, MODEL)
         self._rollout = rollout if isinstance(rollout, dict) else {}
         self._model = model if isinstance(model, dict) else {}
         self._told: set[tuple] = set()
@@ -72,6 +71,15 @@ class Setup:
         values["model"] = model_digest(path) if path else None
         values["chat_template"] = chat_template_digest(path, self._model.get("custom_chat_template"))
         return json.loads(json.dumps(values, default=str))  # as meta.json will hold it
+
+
+def _section(config: Any, key: str) -> Any:
+    """A plain copy of a config section; empty where it does not resolve (an interpolation to a
+    key this config lacks): what cannot be read is not compared."""
+    try:
+        return to_container(select(config, key)) or {}
+    except Exception:
+        return {}
 
 
 def differences(recorded: Any, current: dict[str, Any]) -> list[str]:
