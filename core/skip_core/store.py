@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import tempfile
 import threading
 import time
@@ -225,7 +226,7 @@ class CacheStore:
             write_synced(tmp / META, json.dumps(meta, indent=1).encode())
             fsync_dir(tmp)
             final = self.path(step)
-            if os.path.islink(final) or (os.path.lexists(final) and not os.path.isdir(final)):
+            if _kind(final) not in (None, "directory"):  # one lstat: other writers may be replacing it
                 raise FileExistsError(f"{final} is not a directory skip wrote (a link or a file); left as it is")
             if foreign := foreign_files(final):  # replacing deletes: never what skip did not write
                 raise FileExistsError(f"{final} holds files skip did not write ({', '.join(foreign)}); left as it is")
@@ -246,6 +247,16 @@ class CacheStore:
             if not current.resolve().is_relative_to(root):
                 raise PermissionError(f"{current} resolves outside the dump directory {root}; refusing to write")
             current.mkdir(exist_ok=True)
+
+
+def _kind(path: Path) -> str | None:
+    """``"directory"``, ``"link"``, ``"other"`` or ``None`` when absent, from one ``lstat``:
+    another writer may be replacing ``path`` meanwhile."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    return "directory" if stat.S_ISDIR(mode) else "link" if stat.S_ISLNK(mode) else "other"
 
 
 def _names(directory: Path) -> list[str]:
@@ -281,9 +292,12 @@ def verify(
     """
     path = Path(path)
     root = path.parent if root is None else root
-    if os.path.islink(path):
+    kind = _kind(path)
+    if kind is None:
+        raise CorruptEntry("incomplete: the step directory is gone", path)
+    if kind == "link":
         raise CorruptEntry("the step directory is a symbolic link; skip never follows links in a cache", path)
-    if not os.path.isdir(path):
+    if kind != "directory":
         raise CorruptEntry("not a directory", path)
     meta = _read_meta(path / META, root)
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
