@@ -68,7 +68,9 @@ def apply_umask(directory: Path) -> None:
 def replacing(path: Path) -> Iterator[Path]:
     """A temporary path beside ``path`` to write; fsynced and renamed onto ``path`` if the block succeeds."""
     path = Path(path)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    # Named as this process's (``owned``): a kill before the rename leaves a leftover that a later
+    # process can tell from a write in progress (``abandoned``) and remove.
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=owned(f".{path.name}."), suffix=".tmp")
     os.close(fd)
     tmp = Path(name)
     try:

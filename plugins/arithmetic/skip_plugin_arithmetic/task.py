@@ -34,7 +34,9 @@ Options (the ``task`` config section; a missing key takes its default):
 Assets are built only when missing, under ``task.dir``, and ``task.dir/task.json`` records the
 options each was built with (``record``): a run whose options differ from those of a piece
 found there stops before any work, naming them; delete the piece (or the directory) to rebuild
-it, or set another ``task.dir``.
+it, or set another ``task.dir``. Each piece is written beside its place and renamed into it; what
+a killed build left there, each prepare removes once the process that wrote it is gone, and
+names in ``task.dir/build.log`` (``leftovers``).
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ from skip_core.files import replacing
 from skip_plugin_trainer.settings import TaskConfig
 from skip_plugin_trainer.tasks import Task, TaskAssets
 
-from skip_plugin_arithmetic.record import BuildRecord
+from skip_plugin_arithmetic import leftovers
+from skip_plugin_arithmetic.record import RECORD, BuildRecord
 
 DATA_SOURCE = "arithmetic"
 
@@ -251,6 +254,10 @@ def write_parquet(table_rows: list[Mapping[str, Any]], path: Path) -> None:
         pq.write_table(pa.Table.from_pylist(list(table_rows)), tmp)
 
 
+#: The task directory's log of what building it did: warm-up progress, leftovers removed.
+BUILD_LOG = "build.log"
+
+
 class ArithmeticTask(Task):
     name = "arithmetic"
     data_sources = (DATA_SOURCE,)
@@ -261,6 +268,9 @@ class ArithmeticTask(Task):
         directory = Path(directory)
         wanted = built_with(options)
         paths = {piece: directory / piece for piece in wanted}
+        files = [paths["data/train.parquet"], paths["data/val.parquet"], directory / RECORD]
+        removed = leftovers.remove(files=files, directories=[paths["model"]])
+        leftovers.say(removed, progress, directory / BUILD_LOG)
         record = BuildRecord(directory, defaults=built_with(ArithmeticOptions()))
         for piece, path in paths.items():
             if path.exists():
@@ -283,7 +293,7 @@ class ArithmeticTask(Task):
         from skip_plugin_arithmetic.calculator import SCHEMA
 
         seed, steps = options.seed, options.warmup_steps
-        log = target.parent / "build.log"
+        log = target.parent / BUILD_LOG
         then = []
         if options.long_share:
             # The default's warm-up first, which teaches the protocol and the copying of numbers;

@@ -16,7 +16,6 @@ import math
 import os
 import re
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -27,6 +26,8 @@ from typing import Any
 
 from skip_core.files import apply_umask
 from skip_plugin_trainer.rollout.chat import ChatFormat
+
+from skip_plugin_arithmetic import leftovers
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 # Not special, so they survive ``skip_special_tokens=True`` and a tool-call parser sees them.
@@ -94,11 +95,14 @@ def build(
     with further stages starts as the build without them: the same model, warmed up further.
 
     Built in a fresh directory next to ``target`` and renamed into place, so a killed build
-    never leaves a directory that looks complete; leftovers are hidden ``.<name>.partial-*``.
+    never leaves a directory that looks complete. What a killed build leaves, a hidden
+    ``.<name>.partial-<pid>@<host>-*``, the next build removes once its process is gone (and
+    says so, on the terminal with ``progress`` and in ``log``).
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    leftovers.say(leftovers.remove(directories=[target]), progress, log)
+    tmp = leftovers.partial_directory(target)
     try:
         tokenizer = build_tokenizer(render(conversations[:CORPUS_SIZE], tools))
         model = build_model(tokenizer, seed)

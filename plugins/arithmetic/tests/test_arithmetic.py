@@ -3,6 +3,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import time
 from collections import Counter
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from skip_core.config import ConfigError, parse_section
+from skip_core.files import owned, replacing
 from skip_core.plugins import registry
 from skip_plugin_arithmetic import record, tiny_model
 from skip_plugin_arithmetic import task as arithmetic
@@ -264,6 +267,48 @@ def test_a_directory_built_before_the_record_is_taken_for_the_defaults(tiny_mode
     assert not (directory / "task.json").exists()
     ArithmeticTask().prepare(directory, ArithmeticOptions(), progress=False)
     assert json.loads((directory / "task.json").read_text()) == arithmetic.built_with(ArithmeticOptions())
+
+
+def names_of_a_process_that_exited(*prefixes: str) -> list[str]:
+    """``owned(prefix)`` as a process that has since exited wrote them: its pid, this host."""
+    code = "import sys; from skip_core.files import owned; print(*map(owned, sys.argv[1:]), sep='\\n')"
+    child = subprocess.run([sys.executable, "-c", code, *prefixes], capture_output=True, text=True, check=True)
+    return child.stdout.splitlines()
+
+
+def test_prepare_removes_what_killed_builds_left_and_nothing_else(tiny_model_dir, tmp_path, capsys):
+    directory = tmp_path / "task"
+    shutil.copytree(tiny_model_dir.parent, directory)
+    model, train, record_file = names_of_a_process_that_exited(".model.partial-", ".train.parquet.", ".task.json.")
+    leftovers = [directory / f"{model}k3j2", directory / "data" / f"{train}x8.tmp", directory / f"{record_file}q.tmp"]
+    leftovers[0].mkdir()
+    (leftovers[0] / "config.json").write_text("{}")  # a killed build, weights half written
+    for path in leftovers[1:]:
+        path.write_bytes(b"PAR1")
+    running = directory / f"{owned('.model.partial-')}live"  # a build of this live process
+    unmarked = directory / ".model.partial-stale"  # written before names carried their process
+    elsewhere = directory / f"{model.replace('@', '@elsewhere', 1)}x"  # another host: its process cannot be asked
+    for path in (running, unmarked, elsewhere):
+        path.mkdir()
+
+    assets = ArithmeticTask().prepare(directory, SESSION, progress=True)
+    assert not any(path.exists() for path in leftovers)
+    assert running.is_dir() and unmarked.is_dir() and elsewhere.is_dir()
+    assert assets.model_path == directory / "model" and (directory / "data" / "train.parquet").is_file()
+    line = f"removed what interrupted builds left: {', '.join(str(path) for path in sorted(leftovers))}"
+    assert line in capsys.readouterr().out
+    assert (directory / "build.log").read_text().splitlines()[-1].endswith(line)
+
+    ArithmeticTask().prepare(directory, SESSION, progress=True)  # nothing more to remove, nothing said
+    assert "removed" not in capsys.readouterr().out
+
+
+def test_pieces_are_written_under_names_that_say_who_writes_them(tmp_path):
+    path = tmp_path / "train.parquet"
+    with replacing(path) as tmp:
+        assert tmp.parent == tmp_path and tmp.name.startswith(owned(".train.parquet."))
+        tmp.write_bytes(b"data")
+    assert path.read_bytes() == b"data" and os.listdir(tmp_path) == ["train.parquet"]
 
 
 def test_task_is_registered_by_default():

@@ -1,5 +1,7 @@
 import hashlib
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -120,11 +122,15 @@ def test_saved_directory_is_an_ordinary_hf_model(tiny_model_dir, tokenizer):
     assert out.shape[1] > prompt.shape[1]
 
 
-def test_build_is_atomic(tmp_path, conversations, monkeypatch):
+def test_build_is_atomic(tmp_path, conversations, monkeypatch, capsys):
     target = tmp_path / "model"
-    stale = tmp_path / ".model.partial-stale"  # a killed earlier build
+    stale = tmp_path / ".model.partial-stale"  # a killed earlier build, from before names said whose
     stale.mkdir()
     (stale / "config.json").write_text("{}")
+    code = "from skip_core.files import owned; print(owned('.model.partial-'))"
+    exited = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    killed_build = tmp_path / f"{exited}a1b2"  # a killed build of a process that is gone: removed
+    killed_build.mkdir()
 
     def killed(*args, **kwargs):
         raise RuntimeError("killed")
@@ -132,8 +138,11 @@ def test_build_is_atomic(tmp_path, conversations, monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(tiny_model, "warm_up", killed)
         with pytest.raises(RuntimeError, match="killed"):
-            tiny_model.build(target, conversations, [SCHEMA], steps=1, progress=False)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [stale.name]
+            tiny_model.build(target, conversations, [SCHEMA], steps=1, progress=True, log=tmp_path / "build.log")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [stale.name, "build.log"]
+    assert f"removed what interrupted builds left: {killed_build}" in capsys.readouterr().out
+    assert str(killed_build) in (tmp_path / "build.log").read_text()
+    (tmp_path / "build.log").unlink()
 
     tiny_model.build(target, conversations, [SCHEMA], steps=0, progress=False)
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {

@@ -16,12 +16,13 @@ import pyarrow.compute as pc
 
 
 def cast(column: pa.ChunkedArray | None, type_: pa.DataType, n: int) -> pa.ChunkedArray:
-    """Cast leniently: a value the type cannot hold becomes null rather than failing the file."""
+    """Cast leniently: a value the type cannot hold becomes null rather than failing the file.
+    ``true`` is not a number here, and neither are NaN, the infinities or an integer past 64 bits."""
     if column is None:
         return pa.chunked_array([pa.nulls(n, type_)])
     if column.type == type_:
         return column
-    if pa.types.is_null(column.type):
+    if pa.types.is_null(column.type) or (pa.types.is_boolean(column.type) and _numeric(type_)):
         return pa.chunked_array([pa.nulls(n, type_)])
     if type_ == pa.string():
         return as_string(column)
@@ -32,14 +33,25 @@ def cast(column: pa.ChunkedArray | None, type_: pa.DataType, n: int) -> pa.Chunk
         return pa.chunked_array([pa.array(values, type_)])
 
 
+def _numeric(type_: pa.DataType) -> bool:
+    return pa.types.is_integer(type_) or pa.types.is_floating(type_)
+
+
 def _number(value: Any, type_: pa.DataType) -> Any:
+    if isinstance(value, bool):
+        return None
     try:
         number = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
     if not np.isfinite(number):
         return None
-    return int(number) if pa.types.is_integer(type_) else number
+    if not pa.types.is_integer(type_):
+        return number
+    return int(number) if -_INT64 <= number < _INT64 else None
+
+
+_INT64 = 2.0**63
 
 
 def as_string(column: pa.ChunkedArray) -> pa.ChunkedArray:
@@ -48,8 +60,26 @@ def as_string(column: pa.ChunkedArray) -> pa.ChunkedArray:
     try:
         return column.cast(pa.string())
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        values = [None if v is None else v if isinstance(v, str) else json.dumps(v) for v in column.to_pylist()]
-        return pa.chunked_array([pa.array(values, pa.string())])
+        return pa.chunked_array([pa.array([_text(v) for v in column.to_pylist()], pa.string())])
+
+
+def _text(value: Any) -> str | None:
+    """A value as text: strings as they are (lone surrogates, which UTF-8 cannot hold, replaced),
+    anything else as JSON (whose escapes are ASCII)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return clean(value)
+    return json.dumps(value, default=str)
+
+
+def clean(text: str) -> str:
+    """``text`` with lone surrogates (``"\\ud800"`` in JSON) replaced: pyarrow takes only UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
+    return text
 
 
 def coalesce(arrays: list[pa.ChunkedArray]) -> pa.ChunkedArray:
@@ -67,10 +97,15 @@ def with_default(column: pa.ChunkedArray, default: Any) -> pa.ChunkedArray:
 
 
 def array_of(values: list) -> pa.Array:
+    """One column of the slow path's rows: its own type when the values share one, else text.
+    ``true`` beside numbers is not 1: pyarrow would make it one."""
+    kinds = {type(v) for v in values if v is not None}
+    if bool in kinds and len(kinds) > 1:
+        return pa.array([_text(v) for v in values], pa.string())
     try:
         return pa.array(values)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
-        return pa.array([v if v is None or isinstance(v, str) else json.dumps(v) for v in values], pa.string())
+    except (pa.ArrowException, OverflowError, ValueError, TypeError):  # mixed types, huge ints, surrogates
+        return pa.array([_text(v) for v in values], pa.string())
 
 
 def stack(tables: list[pa.Table], core: pa.Schema) -> pa.Table:

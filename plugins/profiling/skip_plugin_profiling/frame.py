@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from skip_plugin_profiling import article
+from skip_plugin_profiling.columns import cast
 from skip_plugin_profiling.intervals import group_reduce, union_length
 from skip_plugin_profiling.logs import Logs
 
@@ -212,16 +213,12 @@ def frame_of(source: Logs | pa.Table, phase: str | None) -> Frame:
 
 
 def floats(table: pa.Table, name: str) -> np.ndarray:
-    """A column as float64 with NaN for missing values (or all NaN when absent or not numeric)."""
+    """A column as float64, NaN where a value is missing or no finite number. Value by value: one
+    line's ``"tokens_out": "many"`` makes the column text, and must not cost the other lines theirs."""
     if name not in table.column_names:
         return np.full(table.num_rows, np.nan)
-    column = table[name]
-    if not (pa.types.is_integer(column.type) or pa.types.is_floating(column.type)):
-        try:
-            column = column.cast(pa.float64())
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            return np.full(table.num_rows, np.nan)
-    return pc.fill_null(column.cast(pa.float64()), np.nan).to_numpy()
+    values = pc.fill_null(cast(table[name], pa.float64(), table.num_rows), np.nan).to_numpy()
+    return np.where(np.isfinite(values), values, np.nan)
 
 
 def ints(table: pa.Table, name: str, fill: int = 0) -> np.ndarray:

@@ -12,7 +12,7 @@ This is the lowest module of the trainer: it imports nothing else of it.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,7 +31,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from skip_core.config import ConfigError, Namespace, Steps, lookup, parse_section, select, to_container
+from skip_core.config import ConfigError, Namespace, Steps, StepSet, lookup, parse_section, select, to_container
 from skip_core.sections import Sections, parse_sections
 
 from skip_plugin_trainer.algorithm_settings import (
@@ -224,7 +224,8 @@ class RolloutSettings:
     reward: RewardConfig
     namespace: Namespace
     output_dir: str | None = None
-    steps: tuple[int, ...] = (1,)  # the steps of ``skip run`` that ``skip rollout`` generates
+    # the steps of ``skip run`` that ``skip rollout`` generates, as ranges
+    steps: StepSet = field(default_factory=lambda: StepSet([(1, 1)]))
 
     @classmethod
     def from_config(cls, config: Any) -> RolloutSettings:
@@ -359,19 +360,55 @@ def _rollout_fields(config: Any) -> dict[str, Any]:
     }
 
 
-def _job_steps(raw: Any) -> tuple[int, ...]:
-    """``steps``: which steps of ``skip run`` ``skip rollout`` generates, in order, each once."""
+def _job_steps(raw: Any) -> StepSet:
+    """``steps``: which steps of ``skip run`` ``skip rollout`` generates, each once and in order.
+    Kept as ranges: ``1..1000000000000`` is two numbers, which a check against the run's last step
+    refuses before anything would hold a million million of them."""
     if raw is None:
-        return (1,)
+        return StepSet([(1, 1)])
+    value = to_container(raw)
+    items = value if isinstance(value, list) else [value]
+    for index, item in enumerate(items):
+        if isinstance(item, bool):  # pydantic would take true for step 1
+            raise ConfigError(f"{_step_key(value, (index,))}: {_a_step(value)}, got {item!r}")
     try:
-        steps = TypeAdapter(Steps).validate_python(to_container(raw))
-    except (ValidationError, ValueError) as exc:
-        raise ConfigError(
-            f"steps: expected a step, a range like 1..20 or a list of them, got {raw!r} ({exc})"
-        ) from None
-    if not steps or min(steps) < 1:
-        raise ConfigError(f"steps: expected steps of skip run, which start at 1, got {raw!r}")
-    return tuple(sorted(set(steps)))
+        steps = TypeAdapter(Steps).validate_python(value)
+    except ValidationError as exc:
+        raise ConfigError(_steps_error(exc, value)) from None
+    except ValueError as exc:  # not pydantic's: its words as they are
+        raise ConfigError(f"steps: {exc}") from None
+    if not steps or steps.ranges[0][0] < 1:
+        raise ConfigError(f"steps: expected steps of skip run, which start at 1, got {_shown(value)}")
+    return steps
+
+
+def _steps_error(exc: ValidationError, value: Any) -> str:
+    """pydantic's first complaint about ``steps`` as one line naming the item."""
+    error = exc.errors()[0]
+    key = _step_key(value, error["loc"])
+    if error["type"] == "value_error":  # _parse_steps's own words: "the range '5..1' is empty: ..."
+        return f"{key}: {error['ctx']['error']}"
+    if error["type"] in ("greater_than_equal", "greater_than"):
+        return f"{key}: expected steps of skip run, which start at 1, got {_shown(error['input'])}"
+    return f"{key}: {_a_step(value)}, got {_shown(error['input'])}"
+
+
+def _step_key(value: Any, loc: tuple) -> str:
+    """``steps``, or ``steps[1]`` for an item of a list (a lone value is validated as a list of one)."""
+    items = "".join(f"[{part}]" for part in loc if isinstance(part, int))
+    return f"steps{items}" if isinstance(value, list) else "steps"
+
+
+def _a_step(value: Any) -> str:
+    if isinstance(value, list):
+        return "expected a step (an integer from 1) or a range like 1..20"
+    return "expected a step (an integer from 1), a range like 1..20 or a list of them"
+
+
+def _shown(value: Any, most: int = 60) -> str:
+    """``repr(value)``, cut short: an error line is no place for a pasted file."""
+    text = repr(value)
+    return text if len(text) <= most else f"{text[: most - 3]}..."
 
 
 def _task(section: TaskConfig, tasks: dict[str, Any]) -> TaskConfig:

@@ -69,3 +69,50 @@ def test_a_model_path_that_is_not_a_model_directory_is_named(tmp_path):
     result = rollout("task.name=null", f"model.path={tmp_path}", f"data.train_files=[{tmp_path}/x.parquet]")
     assert result.exit_code == 1
     assert "model.path: expected a local Hugging Face model directory with a config.json" in result.output
+
+
+@pytest.mark.parametrize(
+    ("steps", "message"),
+    [
+        ("5..1", "steps: the range '5..1' is empty: write the smaller step first"),
+        ("x", "steps: expected a step (an integer from 1), a range like 1..20 or a list of them, got 'x'"),
+        ("[1,two]", "steps[1]: expected a step (an integer from 1) or a range like 1..20, got 'two'"),
+        ("[1,true]", "steps[1]: expected a step (an integer from 1) or a range like 1..20, got True"),
+        ("0", "steps: expected steps of skip run, which start at 1, got 0"),
+        ("[3,0..2]", "steps: expected steps of skip run, which start at 1, got [3, '0..2']"),
+        ("-1", "steps: expected steps of skip run, which start at 1, got -1"),
+        ("1..99999999999999999999", "steps: '1..99999999999999999999' is not a range of steps like 1..20"),
+    ],
+)
+def test_bad_steps_are_one_line(tmp_path, steps, message):
+    fresh = tmp_path / "never-built"
+    result = rollout(f"task.dir={fresh}", f"steps={steps}")
+    assert result.exit_code == 1 and result.output == f"Error: {message}\n"
+    assert not fresh.exists()
+
+
+def test_steps_past_the_runs_total_training_steps_are_refused_before_any_work(tmp_path):
+    fresh = tmp_path / "never-built"
+    result = rollout(f"task.dir={fresh}", "trainer.total_training_steps=125", "steps=[1,100..100000]")
+    assert result.exit_code == 1
+    assert result.output == (
+        "Error: steps: 126..100000 lie past the last step of skip run with these settings "
+        "(125: trainer.total_training_steps=125); ask for steps up to 125, or raise "
+        "trainer.total_training_steps for skip run too\n"
+    )
+    assert not fresh.exists()  # the task was not even prepared
+
+
+def test_steps_past_the_runs_epochs_are_refused_before_the_engine_starts(task_dir, tmp_path):
+    """A million million steps: two numbers, refused by the run's length without a list of them."""
+    more = ("trainer.total_training_steps=null", "steps=1..1000000000000", f"output_dir={tmp_path}")
+    result = rollout(f"task.dir={task_dir}", *more)
+    assert result.exit_code == 1
+    *before, error = result.output.splitlines()
+    assert error == (  # 64 prompts in batches of 4, one epoch
+        "Error: steps: 17..1000000000000 lie past the last step of skip run with these settings (16: 16 batches "
+        "of data.train_batch_size prompts in data.train_files per epoch x trainer.total_epochs=1); ask for steps "
+        "up to 16, or set trainer.total_training_steps or trainer.total_epochs for skip run too"
+    )
+    assert before == [f"task arithmetic: data and model under {task_dir}"]
+    assert not list(tmp_path.iterdir())  # not one step generated

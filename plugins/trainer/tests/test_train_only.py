@@ -3,16 +3,21 @@ would generate, and a run whose every generation is cached starts no rollout eng
 generation the cache cannot serve starts it with the weights of the last sync."""
 
 import shutil
+from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
 from rich.console import Console
 from safetensors.torch import load_file
 from skip_core import encoding
+from skip_core.caching import PromptMismatchError
 from skip_core.cli import cli
 from skip_core.manager import SkipManager
+from skip_plugin_arithmetic.calculator import evaluate
+from skip_plugin_arithmetic.task import expression_of, score
 from skip_plugin_trainer.commands import compose_config
 from skip_plugin_trainer.train.checkpoint import Checkpoint
 from skip_plugin_trainer.train.train_only import plan_engines
@@ -35,6 +40,7 @@ def filled(task_dir, tmp_path_factory) -> Path:
     args = ["rollout", "--config-dir", str(CONFIGS), *overrides(task_dir, root), *cached(root / "cache")]
     result = CliRunner().invoke(cli, [*args, f"steps=1..{STEPS}"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
+    (root / "rollout.txt").write_text(result.output)  # its summary, which a test checks against the cache
     assert [line.split(":")[0] for line in result.output.splitlines() if line.startswith("step ")] == [
         "step 1",
         "step 2",
@@ -73,6 +79,40 @@ def test_rollout_only_writes_each_step_and_logs_it_beside_the_cache(filled):
         assert set(samples["min_weight_version"]) == set(samples["max_weight_version"]) == {0}
 
 
+def test_the_summary_of_several_steps_adds_up_their_cache_entries(task_dir, filled):
+    """The summary is added up step by step (no step's batch is kept to the end): it must say
+    what the three entries hold together, and score them as the reward function does."""
+    from transformers import AutoTokenizer
+
+    entries = [encoding.read(store(filled) / str(step)) for step in range(1, STEPS + 1)]
+    stats = [entry.meta_info["rollout"] for entry in entries]
+    turns = np.concatenate([entry.non_tensor_batch["num_turns"] for entry in entries])
+    reasons = Counter(r for entry in entries for r in entry.non_tensor_batch["finish_reason"])
+    tokenizer = AutoTokenizer.from_pretrained(task_dir / "model")
+    scores = [  # the reward function's: the response's tokens decoded, against the question's answer
+        score(tokenizer.decode(response, skip_special_tokens=True), evaluate(expression_of(messages[0]["content"])))
+        for entry in entries
+        for response, messages in zip(entry.batch["responses"], entry.non_tensor_batch["messages"], strict=True)
+    ]
+    tokens = sum(s["generated_tokens"] for s in stats)
+    samples = sum(len(entry) for entry in entries)
+    rows = {row[0]: row[1] for row in _table(filled.parent / "rollout.txt")}
+    assert rows["steps of skip run"] == f"1..{STEPS}, with the starting weights (model.path)"
+    assert rows["prompts × samples"] == f"{samples // 2} × 2 = {samples} requests"  # rollout.n=2
+    assert rows["generation"].startswith(f"{tokens} tokens in ")
+    assert rows["tokens/s"] == f"{tokens / sum(s['seconds'] for s in stats):.1f}"
+    assert rows["turns per request"] == f"mean {turns.mean():.2f}, max {turns.max()}"
+    assert rows["tool calls"] == str(sum(int(entry.non_tensor_batch["tool_calls"].sum()) for entry in entries))
+    assert rows["finish reasons"] == ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items()))
+    assert rows["task score (mean)"] == f"{np.mean(scores):.3f}"
+
+
+def _table(path: Path) -> list[list[str]]:
+    """The rows of the summary table ``skip rollout`` printed, as [label, value]."""
+    lines = path.read_text().splitlines()
+    return [[cell.strip() for cell in line.split("│")[1:-1]] for line in lines if line.startswith("│")]
+
+
 def test_every_step_cached_and_no_validation_defers_the_engines(task_dir, tmp_path, filled):
     found = plan(task_dir, tmp_path, filled)
     assert found.deferred and found.line.startswith("train-only: every generation of steps 1-3 is in the skip cache")
@@ -89,15 +129,19 @@ def test_validation_keeps_the_engines_and_says_so(task_dir, tmp_path, filled):
         (f"trainer.total_training_steps={STEPS + 1}",),  # step 4 is not cached
         # Other prompts at every step: their fingerprints differ, which these policies refuse.
         ("data.seed=7", "skip.rollout.on_prompt_mismatch=regenerate"),
-        ("data.seed=7", "skip.rollout.on_prompt_mismatch=error"),
         ("trainer.schedule=fully_async",),  # streams samples: the async_rollout role
         ("algorithm.filter_groups.enable=true",),  # draws prompts the rewards decide
     ],
-    ids=["a step missing", "other prompts, regenerate", "other prompts, error", "fully_async", "dynamic sampling"],
+    ids=["a step missing", "other prompts, regenerate", "fully_async", "dynamic sampling"],
 )
 def test_a_run_the_cache_does_not_cover_starts_its_engines_quietly(task_dir, tmp_path, filled, more):
     assert plan(task_dir, tmp_path, filled, *more).line is None
     assert not plan(task_dir, tmp_path, filled, *more).deferred
+
+
+def test_other_prompts_under_on_prompt_mismatch_error_stop_the_run_before_it_starts(task_dir, tmp_path, filled):
+    with pytest.raises(PromptMismatchError, match=r"skip\.rollout\.on_prompt_mismatch=error"):
+        plan(task_dir, tmp_path, filled, "data.seed=7", "skip.rollout.on_prompt_mismatch=error")
 
 
 def test_a_corrupt_entry_keeps_the_engines(task_dir, tmp_path, filled):
