@@ -1,12 +1,18 @@
 """Resume after SIGKILL, for every schedule: the driver and its Ray processes die at once, as on
-a lost machine, and the resumed run trains the steps and the data an uninterrupted run would."""
+a lost machine, and the resumed run trains the steps and the data an uninterrupted run would.
+What a resumed run reads back may be damaged: a corrupt newest checkpoint costs neither the run
+nor the checkpoint it resumes from, and a metrics line nested past any reader is dropped."""
 
+import json
 import os
 import signal
 import subprocess
 import time
 
 import pytest
+from skip_plugin_trainer.train.checkpoint import LATEST, CheckpointWarning
+from skip_plugin_trainer.train.checkpoint_files import MODEL
+from skip_plugin_trainer.train.metrics import Tracking
 from training import fingerprints, held_command, metrics, train
 
 # What each schedule caches (a batch per trainer step, or one entry per streamed sample, by feed
@@ -26,12 +32,15 @@ SCHEDULES = {
 
 def steps(schedule: str) -> tuple[str, ...]:
     role = SCHEDULES[schedule][0]
+    # Every entry the run makes: a trainer step's role has the 4 steps, a streamed one 16 samples
+    # (4 steps of 4 prompts); more trainer steps would be past the run's end, which it warns of.
+    last = 4 if role == "rollout" else 16
     return (
         "trainer.total_training_steps=4",
         "trainer.save_freq=1",
         f"trainer.schedule={schedule}",
         f"skip.{role}.enable=true",
-        f"skip.{role}.steps=[{','.join(map(str, range(1, 17)))}]",
+        f"skip.{role}.steps=1..{last}",
         f"skip.{role}.on_prompt_mismatch=error",
     )
 
@@ -77,3 +86,40 @@ def test_sigkill_resumes_at_the_next_step_with_the_same_data(ray_session, refere
     assert f"resumed at step {last} from" in output
     assert [row["step"] for row in metrics(tmp_path / "run")] == [1, 2, 3, 4]
     assert fingerprints(tmp_path / "cache") == reference(schedule)
+
+
+def test_a_corrupt_newest_checkpoint_costs_neither_the_run_nor_the_checkpoint_it_resumes_from(
+    ray_session, task_dir, tmp_path
+):
+    """The first run keeps steps 2 and 3; step 3 is damaged. The second run resumes from step 2 and
+    saves every second step, so it never writes step 3 again: pruning moves step 3 aside instead of
+    counting it, and keeps step 2, the checkpoint the run resumed from, while the run lasts."""
+    run = tmp_path / "run"
+    kept = ("trainer.test_freq=0", "trainer.max_ckpt_to_keep=2")
+    train(task_dir, tmp_path, "trainer.total_training_steps=3", "trainer.save_freq=1", *kept)
+    data = bytearray((run / "global_step_3" / MODEL).read_bytes())
+    data[-2] ^= 0x01
+    (run / "global_step_3" / MODEL).write_bytes(bytes(data))
+
+    with pytest.warns(CheckpointWarning) as caught:
+        _, output = train(task_dir, tmp_path, "trainer.total_training_steps=6", "trainer.save_freq=2", *kept)
+
+    assert f"resumed at step 2 from {run / 'global_step_2'}" in output
+    ignored, aside = [str(w.message) for w in caught if w.category is CheckpointWarning]
+    assert ignored.startswith(f"skip: ignoring checkpoint {run / 'global_step_3'}: {MODEL} does not match")
+    assert f"moved it aside to {run / 'global_step_3.corrupt'}," in aside
+    checkpoints = sorted(name for name in os.listdir(run) if name.startswith("global_step_"))
+    assert checkpoints == ["global_step_2", "global_step_3.corrupt", "global_step_4", "global_step_6"]
+    assert (run / LATEST).read_text() == "6"
+    assert [row["step"] for row in metrics(run)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_metrics_line_nested_past_any_reader_is_dropped_on_resume(tmp_path):
+    rows = [{"step": 1, "critic/score/mean": 0.5}, {"step": 2, "critic/score/mean": 0.75}]
+    lines = [json.dumps(rows[0]), "[" * 100_000 + "]" * 100_000, json.dumps(rows[1]), json.dumps({"step": 3})]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+    tracking = Tracking(["jsonl"], tmp_path, resume_step=2)
+    tracking.close()
+    assert tracking.history == rows
+    assert metrics(tmp_path) == rows

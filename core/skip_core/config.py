@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import difflib
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, get_args
@@ -69,7 +70,11 @@ class ConfigError(SkipError, ValueError):
 class StepSet:
     """Steps as sorted, disjoint ranges (both ends included): ``1..1000000000000`` is two numbers,
     not a list, so a typo in a range costs nothing until it is used. Iterates in order; ``in`` is
-    a comparison or a bisection. Written in config as a step, ``"a..b"`` or a list of either."""
+    a comparison or a bisection. Written in config as a step, ``"a..b"``, ``"a.."`` (every step
+    from ``a`` on) or a list of them."""
+
+    #: The end of an open range ``a..``.
+    OPEN = sys.maxsize
 
     __slots__ = ("_ends", "_starts")
 
@@ -117,15 +122,20 @@ class StepSet:
         """The steps after ``last``: those a run ending at ``last`` never reaches."""
         return StepSet((max(first, last + 1), end) for first, end in self.ranges if end > last)
 
+    @property
+    def bounded(self) -> StepSet:
+        """These steps without an open range (``a..``): the ones a user listed one by one or up to an end."""
+        return StepSet(r for r in self.ranges if r[1] != self.OPEN)
+
     def __str__(self) -> str:
-        return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in self.ranges)
+        return ", ".join(map(str, self.as_config()))
 
     def __repr__(self) -> str:
         return f"StepSet({self})"
 
     def as_config(self) -> list[int | str]:
-        """The form config files write: ``[1, "3..100"]``."""
-        return [a if a == b else f"{a}..{b}" for a, b in self.ranges]
+        """The form config files write: ``[1, "3..100", "200.."]``."""
+        return [a if a == b else f"{a}.." if b == self.OPEN else f"{a}..{b}" for a, b in self.ranges]
 
     @classmethod
     def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
@@ -154,11 +164,12 @@ def _parse_steps(value: Any, validate: Callable[[Any], list[int]]) -> StepSet:
         if not dots:
             continue
         first, last = first.strip(), last.strip()
-        if not (_digits(first) and _digits(last)):
+        if not (_digits(first) and (_digits(last) or not last)):
             raise ValueError(f"{item!r} is not a range of steps like 1..20")
-        if int(first) > int(last):
+        end = int(last) if last else StepSet.OPEN
+        if int(first) > end:
             raise ValueError(f"the range {item!r} is empty: write the smaller step first")
-        ranges[index] = (int(first), int(last))
+        ranges[index] = (int(first), end)
         items[index] = int(first)
     steps = validate(items)
     return StepSet([ranges.get(i, (step, step)) for i, step in enumerate(steps)])

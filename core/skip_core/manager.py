@@ -307,9 +307,10 @@ class SkipManager:
     @classmethod
     def unreachable(cls, last_step: int) -> dict[str, StepSet]:
         """The steps of each enabled trainer-step role past ``last_step``, by role name: a run
-        that ends there never reaches them (a typo such as ``1..2000`` for ``1..200``)."""
+        that ends there never reaches them (a typo such as ``1..2000`` for ``1..200``). An open
+        range (``1..``, every step) is never a typo."""
         active = [(name, slot) for name, slot in _slots.items() if slot.enabled and not slot.online]
-        beyond = {name: slot.steps.above(last_step) for name, slot in active}
+        beyond = {name: slot.steps.bounded.above(last_step) for name, slot in active}
         return {name: steps for name, steps in beyond.items() if steps}
 
     @classmethod

@@ -112,14 +112,9 @@ def _inside(root: str | os.PathLike) -> str:
     return real if real.endswith(os.sep) else real + os.sep
 
 
+_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a named pipe", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}  # fmt: skip
+
+
 def _kind(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a named pipe"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    ):
-        if test(mode):
-            return name
-    return "not a plain file"
+    return _KINDS.get(stat.S_IFMT(mode), "not a plain file")

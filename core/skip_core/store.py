@@ -138,9 +138,9 @@ class CacheStore:
         """Delete what killed dumps of this namespace left (``.tmp-*``, ``.trash-*`` of processes
         that are gone; see ``skip_core.files.abandoned``), here and in the generations' directories."""
         removed = remove_abandoned(self.directory, LEFTOVER_PREFIXES)
-        for name in _names(self.directory):
-            if name.startswith("generation_") and not os.path.islink(self.directory / name):
-                removed += remove_abandoned(self.directory / name, LEFTOVER_PREFIXES)
+        for generation in self.directory.glob("generation_*"):
+            if not generation.is_symlink():
+                removed += remove_abandoned(generation, LEFTOVER_PREFIXES)
         return removed
 
     def expect(self, step: int) -> PendingWrite:
@@ -259,13 +259,6 @@ def _kind(path: Path) -> str | None:
     return "directory" if stat.S_ISDIR(mode) else "link" if stat.S_ISLNK(mode) else "other"
 
 
-def _names(directory: Path) -> list[str]:
-    try:
-        return os.listdir(directory)
-    except OSError:
-        return []
-
-
 def foreign_files(path: Path) -> list[str]:
     """Files of a step directory that skip does not write (a verl dump's ``gen_batch.dp``); a link
     is never listed through."""
@@ -344,7 +337,7 @@ def _check_file(path: Path, expected: Any, deep: bool, root: Path) -> None:
             actual = os.fstat(fd).st_size
             if actual != size:
                 raise CorruptEntry(f"{path.name} has {actual} bytes, meta.json records {size}", path.parent)
-            if deep and _digest(fd) != expected.get("xxh3_128"):
+            if deep and fd_digest(fd) != expected.get("xxh3_128"):
                 raise CorruptEntry(f"{path.name} does not match its recorded hash", path.parent)
     except reading.UnsafeFile as exc:
         raise CorruptEntry(str(exc), path.parent) from None
@@ -355,10 +348,11 @@ def _check_file(path: Path, expected: Any, deep: bool, root: Path) -> None:
 def file_digest(path: Path) -> str:
     """xxh3-128 of a file, read through a memory map (no copy into Python)."""
     with open(path, "rb") as f:
-        return _digest(f.fileno())
+        return fd_digest(f.fileno())
 
 
-def _digest(fd: int) -> str:
+def fd_digest(fd: int) -> str:
+    """xxh3-128 of the file open at ``fd``, read through a memory map."""
     if os.fstat(fd).st_size == 0:
         return xxhash.xxh3_128_hexdigest(b"")
     with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as view:

@@ -328,6 +328,10 @@ def test_steps_are_ranges_a_typo_costs_nothing(tmp_path):
     assert str(steps.above(20)) == "21..1000000000000"
     SkipManager.init(config(tmp_path, steps="1..1000000000000"))
     assert SkipManager.unreachable(20) == {"rollout": StepSet([(21, 10**12)])}
+    every = parse_section(RoleConfig, "skip.rollout", {"steps": ["5..", 2]}).steps
+    assert 2 in every and 3 not in every and 10**15 in every and str(every) == "2, 5.."
+    SkipManager.init(config(tmp_path, steps=["5..", 2]))  # an open range is every step: never a typo
+    assert SkipManager.unreachable(20) == {}
 
 
 # -- the reader's bound on nesting ------------------------------------------------------------

@@ -1,21 +1,24 @@
+import json
 import os
 import pickle
 import random
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from skip_core import files, store
 from skip_core.encoding import EncodingError
-from skip_plugin_trainer.train import checkpoint
 from skip_plugin_trainer.train.checkpoint import (
     LATEST,
+    STEP_DIR,
     CheckpointManager,
     CheckpointWarning,
-    CorruptCheckpoint,
     capture_rng,
     restore_rng,
 )
+from skip_plugin_trainer.train.checkpoint_files import MANIFEST, MODEL, STATE, CorruptCheckpoint
 from torch import nn
 
 
@@ -177,7 +180,7 @@ def fail_sealing(monkeypatch):
     def seal(path):
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint.store, "seal", seal)
+    monkeypatch.setattr(store, "seal", seal)
     return OSError, {}
 
 
@@ -185,7 +188,7 @@ def fail_publishing(monkeypatch):
     def publish(tmp, final):
         raise OSError("rename failed")
 
-    monkeypatch.setattr(checkpoint.files, "publish", publish)
+    monkeypatch.setattr(files, "publish", publish)
     return OSError, {}
 
 
@@ -242,3 +245,127 @@ def test_rejects_bad_steps_and_paths_outside_root(tmp_path):
 
     with pytest.raises(CorruptCheckpoint, match="outside"):
         manager.load(5)
+
+
+def flip_a_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_corrupt_newest_checkpoint_is_moved_aside_and_never_costs_the_one_resumed_from(tmp_path):
+    """Pruning by step alone would keep the corrupt step 3 and delete step 2, the last good one."""
+    for step in (1, 2, 3):
+        save_simple(CheckpointManager(tmp_path, keep=2), step)
+    flip_a_byte(tmp_path / "global_step_3" / MODEL)
+
+    manager = CheckpointManager(tmp_path, keep=2)  # the resumed run's
+    with pytest.warns(CheckpointWarning, match=r"ignoring checkpoint .*global_step_3: model\.safetensors"):
+        resumed = manager.latest()
+    assert resumed.step == 2
+    manager.pin(resumed.path)  # what find_checkpoint does with the checkpoint a run resumes from
+    with pytest.warns(CheckpointWarning) as caught:
+        save_simple(manager, 4)
+
+    aside = tmp_path / "global_step_3.corrupt"
+    (warning,) = [str(w.message) for w in caught]
+    assert f"{tmp_path / 'global_step_3'} does not verify" in warning and f"moved it aside to {aside}," in warning
+    assert aside.is_dir() and manager.steps() == [2, 4]
+    for step in (5, 6):
+        save_simple(manager, step)
+    assert sorted(os.listdir(tmp_path)) == [
+        "global_step_2",
+        "global_step_3.corrupt",
+        "global_step_5",
+        "global_step_6",
+        LATEST,
+    ]
+    assert manager.load(2).trainer["global_step"] == 2 and manager.latest().step == 6
+
+
+def test_a_second_corrupt_checkpoint_of_a_step_is_moved_aside_beside_the_first(tmp_path):
+    manager = CheckpointManager(tmp_path, keep=1)
+    (tmp_path / "global_step_3.corrupt").mkdir(parents=True)
+    save_simple(manager, 3)
+    flip_a_byte(tmp_path / "global_step_3" / STATE)
+    with pytest.warns(CheckpointWarning, match="ignoring checkpoint"):
+        assert manager.latest() is None
+
+    with pytest.warns(CheckpointWarning, match=r"global_step_3\.corrupt-2, where nothing loads it"):
+        save_simple(manager, 1)
+    assert (tmp_path / "global_step_3.corrupt-2" / MANIFEST).is_file()
+    assert manager.steps() == [1] and manager.latest().step == 1
+
+
+def test_pruning_hashes_only_checkpoints_this_process_has_not_verified(tmp_path, monkeypatch):
+    """Hashing reads every byte of a checkpoint: those this process wrote or verified are trusted
+    until their directory is replaced."""
+    run = tmp_path / "run"
+    manager = CheckpointManager(run, keep=2)
+    for step in (1, 2):
+        save_simple(manager, step)
+    save_simple(CheckpointManager(tmp_path / "elsewhere"), 3)
+    os.rename(tmp_path / "elsewhere" / "global_step_3", run / "global_step_3")  # another process's checkpoint
+    hashed = []
+    digest = store.fd_digest
+
+    def counted(fd):
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))  # the file the descriptor hashed is open on
+        if STEP_DIR.fullmatch(path.parent.name):  # a checkpoint verified, not a file sealed while saving
+            hashed.append(path.parent.name)
+        return digest(fd)
+
+    monkeypatch.setattr(store, "fd_digest", counted)
+    save_simple(manager, 4)
+    assert hashed == ["global_step_3"] * 3 and manager.steps() == [3, 4]
+    save_simple(manager, 5)
+    assert hashed == ["global_step_3"] * 3 and manager.steps() == [4, 5]
+
+
+def test_a_manifest_nested_past_any_reader_is_corrupt_and_latest_falls_back(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    save_simple(manager, 1)
+    save_simple(manager, 2)
+    (tmp_path / "global_step_2" / MANIFEST).write_bytes(b"[" * 100_000 + b"]" * 100_000)
+
+    with pytest.raises(CorruptCheckpoint, match=r"manifest\.json .*nested 100000 levels deep"):
+        manager.load(2)
+    with pytest.warns(CheckpointWarning, match=r"global_step_2: manifest\.json .*nested 100000 levels deep"):
+        assert manager.latest().step == 1
+
+
+@pytest.mark.timeout(60)  # a reader blocked on the pipe fails here, not at the suite's limit
+@pytest.mark.parametrize("name", [MANIFEST, MODEL, STATE])
+def test_a_named_pipe_in_a_checkpoint_is_corrupt_not_a_hang(tmp_path, name):
+    manager = CheckpointManager(tmp_path)
+    save_simple(manager, 1)
+    target = tmp_path / "global_step_1" / name
+    target.unlink()
+    os.mkfifo(target)
+
+    with pytest.raises(CorruptCheckpoint, match=f"{name} .*named pipe"):
+        manager.load(1)
+
+
+def test_a_manifest_recording_sizes_of_another_type_is_corrupt(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    save_simple(manager, 1)
+    manifest = tmp_path / "global_step_1" / MANIFEST
+    recorded = json.loads(manifest.read_text())
+    recorded["files"][MODEL]["bytes"] = str(recorded["files"][MODEL]["bytes"])
+    manifest.write_text(json.dumps(recorded))
+
+    with pytest.raises(CorruptCheckpoint, match=r"manifest entry for model\.safetensors is malformed"):
+        manager.load(1)
+
+
+def test_step_directories_of_too_many_or_foreign_digits_are_not_checkpoints(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    save_simple(manager, 1)
+    for digits in ("9" * 240, "1" * 19, "\u0663", "01"):  # 240: about the most a file name holds
+        shutil.copytree(tmp_path / "global_step_1", tmp_path / f"global_step_{digits}")
+
+    assert manager.steps() == [1]
+    assert manager.latest().step == 1
+    with pytest.raises(ValueError, match="at most 18 digits"):
+        manager.path(10**18)

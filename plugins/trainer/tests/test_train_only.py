@@ -19,7 +19,7 @@ from skip_core.manager import SkipManager
 from skip_plugin_arithmetic.calculator import evaluate
 from skip_plugin_arithmetic.task import expression_of, score
 from skip_plugin_trainer.commands import compose_config
-from skip_plugin_trainer.train.checkpoint import Checkpoint
+from skip_plugin_trainer.train.checkpoint_files import Checkpoint
 from skip_plugin_trainer.train.train_only import plan_engines
 from skip_plugin_trainer.train.trainer import Trainer
 from skiptests import CONFIGS

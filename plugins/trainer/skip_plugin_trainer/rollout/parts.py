@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from skip_core.backend import RolloutBackend, backend_factory
+from skip_core.config import ConfigError
 
 from skip_plugin_trainer.data import PromptLoader, RLDataset
 from skip_plugin_trainer.rollout.agent_loop import AgentLoop
@@ -18,12 +19,21 @@ from skip_plugin_trainer.settings import DataConfig, RolloutSettings
 
 
 def prepare_task(settings: RolloutSettings) -> None:
-    """Let the configured task create what is missing (data files, a warmed-up model)."""
+    """Let the configured task create what is missing (data files, a warmed-up model); a directory
+    it cannot write is a ``ConfigError`` naming ``task.dir``, before anything starts."""
     if settings.task.name is None:
         return
     from skip_core.plugins import registry
 
-    registry().tasks[settings.task.name].prepare(Path(settings.task.dir), settings.task)
+    directory = Path(settings.task.dir)
+    try:
+        registry().tasks[settings.task.name].prepare(directory, settings.task)
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename and Path(exc.filename) != directory else ""
+        raise ConfigError(
+            f"task.dir: the {settings.task.name} task cannot build its data and model in {directory}: "
+            f"{exc.strerror or exc}{where}; point task.dir at a directory you can write"
+        ) from None
 
 
 def load_tokenizer(settings: RolloutSettings) -> Any:

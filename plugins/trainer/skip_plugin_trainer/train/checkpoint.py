@@ -4,70 +4,51 @@ Each ``global_step_{step}`` directory is built beside its final place (``.tmp-*`
 fsynced, ``manifest.json`` (sizes and xxh3-128 hashes) is written last and the directory renamed
 into place, so a checkpoint is complete or absent and damage is caught on read. Nothing is
 unpickled: tensors go to safetensors, everything else to tagged JSON (``skip_core.encoding``).
+
+A checkpoint directory may come from someone else: every file is read as hostile
+(``skip_core.reading``: regular files only, sizes and JSON nesting bounded), and whatever does
+not verify is a ``CorruptCheckpoint``, never another exception. Pruning counts only checkpoints
+that verify, so a damaged newest one never costs the good one before it.
 """
 
 from __future__ import annotations
 
-import json
 import operator
 import os
 import random
 import re
 import shutil
-import stat
 import tempfile
-import time
 import uuid
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
-from skip_core import encoding, files, store
+from skip_core import files
 
-FORMAT = "skip-checkpoint"
-VERSION = 1
-MODEL = "model.safetensors"
-OPTIMIZER = "optimizer.safetensors"
-STATE = "state.json"
-MANIFEST = "manifest.json"
-DATA_FILES = (MODEL, OPTIMIZER, STATE)
+from skip_plugin_trainer.train.checkpoint_files import MANIFEST, Checkpoint, CorruptCheckpoint, read, verify, write
+
 LATEST = "latest_checkpointed_iteration.txt"  # verl's name, so verl tooling finds the step
-STEP_DIR = re.compile(r"global_step_(0|[1-9][0-9]*)")
-MAX_MANIFEST_BYTES = 1 << 20
+# At most 18 digits: any step fits an int64, and a name of thousands of digits is no checkpoint.
+STEP_DIR = re.compile(r"global_step_(0|[1-9][0-9]{0,17})")
+MAX_STEP = 10**18 - 1
 # Only this module's own temp and trash names: ``root`` is often a run directory other writers share.
 LEFTOVER_PREFIXES = (".tmp-global_step_", ".trash-global_step_", f".tmp-{LATEST}-")
-_TENSOR = "__skip_tensor__"  # JSON stand-in for a tensor stored in optimizer.safetensors
-
-
-class CorruptCheckpoint(RuntimeError):
-    """A checkpoint directory that does not verify; loading it could resume from wrong state."""
-
-    def __init__(self, path: str | os.PathLike, reason: str) -> None:
-        super().__init__(f"{path}: {reason}")
-        self.path = Path(path)
-        self.reason = reason
 
 
 class CheckpointWarning(UserWarning):
-    """``latest()`` skipped a checkpoint that does not verify and fell back to an older one."""
+    """A checkpoint that does not verify was skipped (``latest``) or moved aside (pruning)."""
 
 
-@dataclass
-class Checkpoint:
-    """One verified checkpoint, in the shapes the trainer saved."""
-
-    step: int
-    model: dict[str, torch.Tensor]
-    optimizer: dict[str, Any]
-    trainer: dict[str, Any]
-    rng: dict[str, Any]
-    path: Path
+# Verdicts of this process on checkpoint directories, by path: the manifest's identity when it was
+# verified (a directory replaced since has another) and the reason it failed, ``None`` if it passed.
+# Verifying hashes every file, minutes for a large model: each checkpoint is verified at most once
+# per process, however many managers and prunes look at it.
+_verdicts: dict[Path, tuple[tuple[int, ...], str | None]] = {}
 
 
 class CheckpointManager:
@@ -82,6 +63,12 @@ class CheckpointManager:
             raise ValueError(f"keep must be at least 1 or None, not {keep!r}")
         self.root = Path(root).expanduser().absolute()
         self.keep = keep
+        self._pinned: set[Path] = set()
+
+    def pin(self, path: str | os.PathLike) -> None:
+        """Never prune ``path``: the checkpoint a run resumed from stays its fallback for the whole run,
+        whatever becomes of the checkpoints the run writes."""
+        self._pinned.add(Path(os.path.realpath(path)))
 
     def path(self, step: int) -> Path:
         return self.root / f"global_step_{_check_step(step)}"
@@ -101,12 +88,13 @@ class CheckpointManager:
         self._remove_leftovers()
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=self.root))
         try:
-            _write(tmp, step, model, optimizer, trainer, rng)
+            write(tmp, step, model, optimizer, trainer, rng)
             files.publish(tmp, final)
             files.fsync_dir(self.root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        _remember(final, None)  # written and sealed here: no need to hash it again to trust it
         self._write_latest(step)
         self._prune(keep_step=step)
         return final
@@ -115,7 +103,7 @@ class CheckpointManager:
         """Steps of complete checkpoints (manifest present; not yet verified), ascending."""
         try:
             names = os.listdir(self.root)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return []
         matches = (STEP_DIR.fullmatch(name) for name in names)
         return sorted(int(m[1]) for m in matches if m and (self.root / m[0] / MANIFEST).is_file())
@@ -129,17 +117,31 @@ class CheckpointManager:
                 warnings.warn(f"skip: ignoring checkpoint {exc.path}: {exc.reason}", CheckpointWarning, stacklevel=2)
         return None
 
+    def newest_intact(self) -> Path | None:
+        """The newest checkpoint that verifies, without loading it: the one a run resumes from.
+        Those this process wrote or verified are not hashed again."""
+        for step in reversed(self.steps()):
+            if self._verdict(step) is None:
+                return self.path(step)
+        return None
+
     def load(self, step: int) -> Checkpoint:
         """The checkpoint of ``step``, verified against its manifest; ``CorruptCheckpoint`` otherwise."""
         step = _check_step(step)
         path = self.path(step)
-        if not path.resolve().is_relative_to(self.root.resolve()):
-            raise CorruptCheckpoint(path, "resolves outside the checkpoint root")
-        _verify(path, step)
+        identity = _identity(path)
         try:
-            return _read(path, step)
-        except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
-            raise CorruptCheckpoint(path, f"cannot decode: {exc}") from exc
+            _check_inside(path, self.root)
+            sizes = verify(path, step)
+            try:
+                checkpoint = read(path, step, sizes)
+            except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
+                raise CorruptCheckpoint(path, f"cannot decode: {exc}") from exc
+        except CorruptCheckpoint as exc:
+            _remember(path, exc.reason, identity)
+            raise
+        _remember(path, None, identity)
+        return checkpoint
 
     def _write_latest(self, step: int) -> None:
         """verl's pointer file, replaced atomically so a reader never sees it empty."""
@@ -153,12 +155,65 @@ class CheckpointManager:
         files.fsync_dir(self.root)
 
     def _prune(self, keep_step: int) -> None:
-        """Delete all but the ``keep`` newest checkpoints, never the one just written."""
+        """Keep the ``keep`` newest checkpoints that verify, the one just written and the pinned ones;
+        delete the older ones. One that does not verify is moved aside first, neither kept nor counted:
+        counting it would delete the last good checkpoint and keep the broken one."""
         if self.keep is None:
             return
-        for step in self.steps()[: -self.keep]:
-            if step != keep_step:
-                self._remove(self.path(step))
+        kept = 0
+        for step in reversed(self.steps()):
+            path = self.path(step)
+            if kept < self.keep:
+                reason = self._verdict(step)
+                if reason is None:
+                    kept += 1
+                else:
+                    self._set_aside(path, reason)
+            elif step != keep_step and Path(os.path.realpath(path)) not in self._pinned:
+                self._remove(path)
+
+    def _verdict(self, step: int) -> str | None:
+        """Why the checkpoint of ``step`` does not verify, or ``None``; from memory when this process
+        verified this very directory before."""
+        path = self.path(step)
+        identity = _identity(path)
+        known = _verdicts.get(path)
+        if identity is not None and known is not None and known[0] == identity:
+            return known[1]
+        try:
+            _check_inside(path, self.root)
+            verify(path, step)
+        except CorruptCheckpoint as exc:
+            _remember(path, exc.reason, identity)
+            return exc.reason
+        _remember(path, None, identity)
+        return None
+
+    def _set_aside(self, path: Path, reason: str) -> None:
+        """Rename a checkpoint that does not verify to a name no step matches (kept for a look, never loaded)."""
+        aside, n = path.with_name(f"{path.name}.corrupt"), 1
+        while os.path.lexists(aside):
+            n += 1
+            aside = path.with_name(f"{path.name}.corrupt-{n}")
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            warnings.warn(
+                f"skip: checkpoint {path} does not verify ({reason}) and cannot be moved aside ({exc}); "
+                "it is not counted among the checkpoints kept",
+                CheckpointWarning,
+                stacklevel=4,
+            )
+            return
+        _verdicts.pop(path, None)
+        files.fsync_dir(self.root)
+        warnings.warn(
+            f"skip: checkpoint {path} does not verify ({reason}); moved it aside to {aside}, where nothing loads it",
+            CheckpointWarning,
+            stacklevel=4,
+        )
 
     def _remove(self, path: Path) -> None:
         """Rename first, so a kill mid-delete leaves a leftover, not a half-deleted checkpoint."""
@@ -180,7 +235,31 @@ def _check_step(step: int) -> int:
     step = operator.index(step)
     if step < 0:
         raise ValueError(f"checkpoint step must not be negative, got {step}")
+    if step > MAX_STEP:
+        raise ValueError(f"checkpoint step must have at most 18 digits, got {step}")
     return step
+
+
+def _identity(path: Path) -> tuple[int, ...] | None:
+    """What tells this checkpoint directory from one published in its place since: its manifest's inode."""
+    try:
+        info = os.lstat(path / MANIFEST)
+    except OSError:
+        return None
+    return (info.st_dev, info.st_ino, info.st_mtime_ns, info.st_size)
+
+
+def _remember(path: Path, reason: str | None, identity: tuple[int, ...] | None = None) -> None:
+    identity = identity or _identity(path)
+    if identity is not None:
+        _verdicts[path] = (identity, reason)
+
+
+def _check_inside(path: Path, root: Path) -> None:
+    """A ``global_step_*`` link to a directory elsewhere is not this root's checkpoint."""
+    real, real_root = os.path.realpath(path), os.path.realpath(root)
+    if os.path.commonpath([real, real_root]) != real_root:
+        raise CorruptCheckpoint(path, "resolves outside the checkpoint root")
 
 
 def _delete(path: Path) -> None:
@@ -188,131 +267,6 @@ def _delete(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
-
-
-def _write(
-    directory: Path,
-    step: int,
-    model: Mapping[str, torch.Tensor],
-    optimizer: Mapping[str, Any],
-    trainer: Mapping[str, Any],
-    rng: Mapping[str, Any],
-) -> None:
-    """All files of one checkpoint, fsynced; JSON first so unstorable state fails before big writes."""
-    tensors: dict[str, torch.Tensor] = {}
-    state = {
-        "model_keys": list(model),
-        "optimizer": encoding.encode(_split(optimizer, "", tensors), "optimizer"),
-        "trainer": encoding.encode(_split(trainer, "trainer", tensors), "trainer"),
-        "rng": encoding.encode(_split(rng, "rng", tensors), "rng"),
-    }
-    files.write_synced(directory / STATE, json.dumps(state).encode())
-    save_file(encoding.storable(model), str(directory / MODEL), metadata={"format": "pt"})
-    save_file(encoding.storable(tensors), str(directory / OPTIMIZER), metadata={"format": "pt"})
-    manifest = {
-        "format": FORMAT,
-        "version": VERSION,
-        "step": step,
-        "files": {name: store.seal(directory / name) for name in DATA_FILES},
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-    files.write_synced(directory / MANIFEST, json.dumps(manifest, indent=1).encode())
-    files.fsync_dir(directory)
-
-
-def _split(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
-    """``value`` with each tensor moved into ``tensors`` (for safetensors) and a reference left for JSON."""
-    if isinstance(value, torch.Tensor):
-        name = key or "tensor"
-        while name in tensors:
-            name += "_"
-        tensors[name] = value
-        return {_TENSOR: name}
-    if isinstance(value, Mapping):
-        if _TENSOR in value:
-            raise encoding.EncodingError(f"{key}: the key {_TENSOR!r} is reserved")
-        return {k: _split(v, f"{key}.{k}" if key else str(k), tensors) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        items = [_split(v, f"{key}.{i}" if key else str(i), tensors) for i, v in enumerate(value)]
-        return tuple(items) if isinstance(value, tuple) else items
-    return value
-
-
-def _attach(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """Inverse of ``_split``."""
-    if isinstance(value, dict):
-        if set(value) == {_TENSOR}:
-            return tensors[value[_TENSOR]]
-        return {k: _attach(v, tensors) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_attach(v, tensors) for v in value)
-    return value
-
-
-def _verify(path: Path, step: int) -> None:
-    """Check the manifest and every file's size and hash, so a torn or flipped byte is never loaded."""
-    manifest = _read_manifest(path)
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise CorruptCheckpoint(path, f"unsupported format {manifest.get('format')!r} {manifest.get('version')!r}")
-    if manifest.get("step") != step:
-        raise CorruptCheckpoint(path, f"manifest records step {manifest.get('step')!r}")
-    files = manifest.get("files")
-    if not isinstance(files, dict) or set(files) != set(DATA_FILES):
-        raise CorruptCheckpoint(path, f"manifest lists files {sorted(files) if isinstance(files, dict) else files!r}")
-    for name, expected in files.items():
-        _check_file(path, name, expected)
-
-
-def _read_manifest(path: Path) -> dict:
-    try:
-        with open(path / MANIFEST, "rb") as f:
-            raw = f.read(MAX_MANIFEST_BYTES + 1)
-    except FileNotFoundError:
-        raise CorruptCheckpoint(path, f"incomplete: {MANIFEST} is missing") from None
-    except OSError as exc:
-        raise CorruptCheckpoint(path, f"cannot read {MANIFEST}: {exc}") from None
-    if len(raw) > MAX_MANIFEST_BYTES:
-        raise CorruptCheckpoint(path, f"{MANIFEST} is too large")
-    try:
-        manifest = json.loads(raw)
-    except ValueError as exc:
-        raise CorruptCheckpoint(path, f"{MANIFEST} is not valid JSON: {exc}") from None
-    if not isinstance(manifest, dict):
-        raise CorruptCheckpoint(path, f"{MANIFEST} is not an object")
-    return manifest
-
-
-def _check_file(path: Path, name: str, expected: Any) -> None:
-    file = path / name
-    if not isinstance(expected, dict):
-        raise CorruptCheckpoint(path, f"manifest entry for {name} is malformed")
-    try:
-        info = file.lstat()
-        if not stat.S_ISREG(info.st_mode):
-            raise CorruptCheckpoint(path, f"{name} is not a regular file")
-        if info.st_size != expected.get("bytes"):
-            raise CorruptCheckpoint(path, f"{name} has {info.st_size} bytes, manifest records {expected.get('bytes')}")
-        if store.file_digest(file) != expected.get("xxh3_128"):
-            raise CorruptCheckpoint(path, f"{name} does not match its recorded hash")
-    except OSError as exc:
-        raise CorruptCheckpoint(path, f"cannot read {name}: {exc}") from None
-
-
-def _read(path: Path, step: int) -> Checkpoint:
-    state = json.loads((path / STATE).read_text(encoding="utf-8"))
-    model = load_file(str(path / MODEL))
-    keys = state["model_keys"]
-    if sorted(keys) != sorted(model):
-        raise ValueError(f"{MODEL} holds other tensors than {STATE} lists")
-    tensors = load_file(str(path / OPTIMIZER))
-    return Checkpoint(
-        step=step,
-        model={key: model[key] for key in keys},
-        optimizer=_attach(encoding.decode(state["optimizer"]), tensors),
-        trainer=_attach(encoding.decode(state["trainer"]), tensors),
-        rng=_attach(encoding.decode(state["rng"]), tensors),
-        path=path,
-    )
 
 
 def capture_rng() -> dict[str, Any]:

@@ -19,7 +19,9 @@ import numpy as np
 import rich.console
 import rich.table
 import torch
+from skip_core import reading
 from skip_core.batch import Batch
+from skip_core.config import ConfigError
 from skip_core.files import write_atomic
 
 if TYPE_CHECKING:
@@ -27,6 +29,8 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
+#: What to install for each optional backend (torch.utils.tensorboard needs the tensorboard package).
+_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 #: The driver's timed phases (``StepRecord.timed``) in the order a step runs them, the sync schedule's and the
 #: overlapped schedules' own weight syncs, so each keeps its place and colour from run to run.
 _PHASES = (
@@ -151,12 +155,13 @@ def _console_line(record: Mapping[str, float]) -> str:
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Records of a metrics file; lines that do not parse (a crash mid-write) are dropped."""
+    """Records of a metrics file; lines that do not parse (a crash mid-write, or nested past any
+    metric) are dropped."""
     records = []
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
+            record = reading.loads(line)
+        except ValueError:
             continue
         if isinstance(record, dict) and isinstance(record.get("step"), int):
             records.append(record)
@@ -174,16 +179,17 @@ def _import_backend(name: str) -> Any:
 
         return wandb
     except ImportError as exc:
-        raise ValueError(
-            f"trainer.logger names {name!r} but it cannot be imported ({exc}); pip install {name}"
-        ) from exc
+        raise ConfigError(
+            f"trainer.logger: {name} cannot be imported ({exc}); install it with `pip install {_PACKAGES[name]}`, "
+            f"or drop {name} from trainer.logger"
+        ) from None
 
 
 def check_backends(backends: Sequence[str]) -> dict[str, Any]:
-    """The logger modules ``backends`` need; ValueError for an unknown name or a missing package."""
+    """The logger modules ``backends`` need; ``ConfigError`` for an unknown name or a missing package."""
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
-        raise ValueError(f"unknown logger {unknown[0]!r}; allowed: {', '.join(BACKENDS)}")
+        raise ConfigError(f"trainer.logger: unknown logger {unknown[0]!r}; allowed: {', '.join(BACKENDS)}")
     return {b: _import_backend(b) for b in backends if b in ("tensorboard", "wandb")}
 
 

@@ -4,7 +4,9 @@ A run directory holds one run. ``trainer.resume_mode=auto`` continues it from it
 checkpoint that verifies, but only under the settings it was saved with where a run cannot
 change them mid-way (``RunSettings.identity``: schedule, backend, model, algorithm): resuming
 another run's weights and optimizer under other rules would train neither. A checkpoint at or
-past the run's last step leaves nothing to train. Both are decided before Ray starts.
+past the run's last step leaves nothing to train. Both are decided before Ray starts, as is a
+``trainer.resume_from_path`` that does not verify. The checkpoint a run resumes from is never
+pruned while it runs.
 """
 
 from __future__ import annotations
@@ -14,25 +16,28 @@ from pathlib import Path
 from typing import Any
 
 from skip_core.config import ConfigError
+from skip_core.errors import SkipError
 
 from skip_plugin_trainer.settings import RunSettings
-from skip_plugin_trainer.train.checkpoint import Checkpoint, CheckpointManager
+from skip_plugin_trainer.train.checkpoint import STEP_DIR, CheckpointManager
+from skip_plugin_trainer.train.checkpoint_files import Checkpoint, CorruptCheckpoint
 
 WAYS_OUT = "use a new run directory (trainer.default_local_dir=...) or start over here (trainer.resume_mode=disable)"
 
 
 def find_checkpoint(settings: RunSettings, checkpoints: CheckpointManager) -> Checkpoint | None:
-    """The checkpoint this run resumes from, checked against its settings, or ``None``."""
+    """The checkpoint this run resumes from, checked against its settings, or ``None``; pinned in
+    ``checkpoints``, which then never prune it."""
     trainer = settings.trainer
     if trainer.resume_mode == "disable":
         return None
     if trainer.resume_mode == "resume_path":
-        path = Path(trainer.resume_from_path).expanduser()
-        checkpoint = CheckpointManager(path.parent).load(_step_of(path))
+        checkpoint = _given(Path(trainer.resume_from_path).expanduser().absolute())
     else:
         checkpoint = checkpoints.latest()
     if checkpoint is not None:
         _check_identity(checkpoint, settings)
+        checkpoints.pin(checkpoint.path)
     return checkpoint
 
 
@@ -69,16 +74,31 @@ def _check_identity(checkpoint: Checkpoint, settings: RunSettings) -> None:
         )
 
 
-def _step_of(path: Path) -> int:
-    name = path.name
-    if not name.startswith("global_step_") or not name[len("global_step_") :].isdigit():
-        raise ConfigError(f"trainer.resume_from_path: expected a global_step_<k> directory, got {str(path)!r}")
-    return int(name[len("global_step_") :])
+def _given(path: Path) -> Checkpoint:
+    """The checkpoint ``trainer.resume_from_path`` names, verified; a ``ConfigError`` with the way out otherwise."""
+    match = STEP_DIR.fullmatch(path.name)
+    if match is None:
+        raise ConfigError(
+            f"trainer.resume_from_path: expected a global_step_<k> directory (k at most 18 digits), got {str(path)!r}"
+        )
+    if not path.is_dir():
+        reason = "no such directory"
+    else:
+        try:
+            return CheckpointManager(path.parent).load(int(match[1]))
+        except CorruptCheckpoint as exc:
+            reason = exc.reason
+    raise ConfigError(
+        f"trainer.resume_from_path: cannot resume from {path}: {reason}; point it at another global_step_<k> "
+        "directory, or set trainer.resume_mode=auto to resume from the newest checkpoint in "
+        "trainer.default_local_dir that verifies"
+    )
 
 
-class RunStopped(RuntimeError):
-    """A worker the run cannot do without died (the actor, the critic, or a rollout worker Ray
-    could not restart); ``checkpoint`` is the newest the run saved, the one a new run resumes from."""
+class RunStopped(SkipError, RuntimeError):
+    """The run cannot go on: a worker it cannot do without died (the actor, the critic, or a rollout
+    worker Ray could not restart), or a checkpoint could not be saved (a full disk). ``checkpoint``
+    is the newest intact one the run saved, the one a new run resumes from."""
 
     def __init__(self, message: str, checkpoint: Path | None) -> None:
         super().__init__(message)
@@ -86,5 +106,4 @@ class RunStopped(RuntimeError):
 
 
 def stopped(what: str, step: int, checkpoints: CheckpointManager) -> RunStopped:
-    steps = checkpoints.steps()
-    return RunStopped(f"step {step}: {what}", checkpoints.path(steps[-1]) if steps else None)
+    return RunStopped(f"step {step}: {what}", checkpoints.newest_intact())

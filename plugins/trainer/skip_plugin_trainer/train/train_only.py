@@ -19,7 +19,7 @@ from skip_core.schedule import Schedule
 from skip_plugin_trainer.data import PromptLoader, generation_inputs
 from skip_plugin_trainer.rollout.padding import ROLLOUT_LAYOUT
 from skip_plugin_trainer.settings import RunSettings
-from skip_plugin_trainer.train.checkpoint import Checkpoint
+from skip_plugin_trainer.train.checkpoint_files import Checkpoint
 
 
 @dataclass(frozen=True)

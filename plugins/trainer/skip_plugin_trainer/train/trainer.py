@@ -36,7 +36,8 @@ from skip_core.schedule import Schedule, StepRecord
 from skip_plugin_trainer.data import PromptLoader, RLDataset, collate, generation_inputs
 from skip_plugin_trainer.rollout.parts import RolloutParts, load_tokenizer, prepare_task, prompt_loader
 from skip_plugin_trainer.settings import RunSettings
-from skip_plugin_trainer.train.checkpoint import Checkpoint, CheckpointManager, capture_rng, restore_rng
+from skip_plugin_trainer.train.checkpoint import CheckpointManager, capture_rng, restore_rng
+from skip_plugin_trainer.train.checkpoint_files import Checkpoint
 from skip_plugin_trainer.train.dynamic_sampling import fill
 from skip_plugin_trainer.train.metrics import (
     Tracking,
@@ -49,6 +50,7 @@ from skip_plugin_trainer.train.metrics import (
     timing_metrics,
 )
 from skip_plugin_trainer.train.phases import Phases
+from skip_plugin_trainer.train.preflight import check_writable, warn_unreachable
 from skip_plugin_trainer.train.resume import find_checkpoint, nothing_left, stopped, trainer_state
 from skip_plugin_trainer.train.reward import Rewarder
 from skip_plugin_trainer.train.rollout_group import WorkerLost
@@ -80,10 +82,12 @@ class Trainer:
         self.rewarder = Rewarder(s.reward, self.tokenizer, s.data.max_response_length)
         self._check_sources()
         self.total_steps = s.trainer.total_training_steps or len(self.loader) * s.trainer.total_epochs
+        warn_unreachable(self.total_steps, s.trainer)
         self.train_batch_size, self.ppo_mini_batch_size = s.data.train_batch_size, s.actor.ppo_mini_batch_size
         self.run_dir = Path(os.path.expanduser(s.trainer.default_local_dir))
         self.checkpoints = CheckpointManager(self.run_dir, keep=s.trainer.max_ckpt_to_keep)
         self.resume_from: Checkpoint | None = find_checkpoint(s, self.checkpoints)
+        check_writable(self.run_dir)  # the last check: a run that fails one writes nothing
         self.global_steps = 0
         self.cluster = Cluster()
         self.tracking: Tracking | None = None
@@ -347,7 +351,12 @@ class Trainer:
         if self.critic is not None:  # its tensors go with the optimizer's, verified the same way
             critic_model, critic_optimizer = ray.get(self.critic.checkpoint_state.remote())
             state["critic"] = {"model": critic_model, "optimizer": critic_optimizer}
-        return self.checkpoints.save(record.step, model, optimizer, state, capture_rng())
+        try:
+            return self.checkpoints.save(record.step, model, optimizer, state, capture_rng())
+        except OSError as exc:  # a full disk: the save left nothing behind, the earlier checkpoints stand
+            path = self.checkpoints.path(record.step)
+            what = f"cannot save its checkpoint {path}: {exc.strerror or exc}"
+            raise stopped(what, record.step, self.checkpoints) from exc
 
     def resume_state(self) -> dict | None:
         return self._resumed_schedule_state
