@@ -1,6 +1,7 @@
 import io
 import json
 import math
+import os
 import sys
 import types
 import warnings
@@ -157,6 +158,19 @@ def test_resume_drops_repeated_steps_and_a_truncated_line(tmp_path):
     assert read_steps(path) == [1, 2, 3, 4]
     assert tracking.history[-1] == {"step": 4, "critic/score/mean": 0.4}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no temp file left behind
+
+
+@pytest.mark.timeout(60)
+def test_a_metrics_file_that_is_a_pipe_never_blocks_a_resume(tmp_path):
+    """A metrics.jsonl that someone made a named pipe: its lines are left out, with a warning, and
+    the run writes a regular file in its place."""
+    path = tmp_path / "metrics.jsonl"
+    os.mkfifo(path)
+    with pytest.warns(MetricsWarning, match="not a regular file"):
+        tracking = Tracking(["jsonl"], tmp_path, resume_step=3)
+    assert tracking.history == []
+    tracking.log({"critic/score/mean": 0.4}, step=4)
+    assert path.is_file() and read_steps(path) == [4]
 
 
 def test_a_staged_line_survives_a_crash_and_the_final_line_replaces_it(tmp_path):

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
+MAX_METRICS_BYTES = 1 << 30  # a run's metrics.jsonl, read back on resume
 #: What to install for each optional backend (torch.utils.tensorboard needs the tensorboard package).
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 #: The driver's timed phases (``StepRecord.timed``) in the order a step runs them, the sync schedule's and the
@@ -156,9 +157,15 @@ def _console_line(record: Mapping[str, float]) -> str:
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Records of a metrics file; lines that do not parse (a crash mid-write, or nested past any
-    metric) are dropped."""
+    metric) are dropped, and a file that is no regular file (a pipe would block) or past
+    ``MAX_METRICS_BYTES`` is left out whole, with a warning: the run then writes a new one."""
+    try:
+        text = reading.read_bytes(path, MAX_METRICS_BYTES).decode("utf-8", errors="replace")
+    except (OSError, ValueError) as exc:
+        warnings.warn(f"metrics: not keeping the lines of {path}: {exc}", MetricsWarning, stacklevel=3)
+        return []
     records = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+    for line in text.splitlines():
         try:
             record = reading.loads(line)
         except ValueError:
