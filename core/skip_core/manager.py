@@ -50,6 +50,7 @@ from skip_core.store import CacheStore, CacheWarning, CorruptEntry, PendingWrite
 F = TypeVar("F", bound=Callable[..., Any])
 
 _MISS = object()
+_SET_STEPS = 1 << 16
 
 
 class _Clock:
@@ -81,7 +82,7 @@ class _Slot:
     def deactivate(self) -> None:
         self.enabled = False
         self.online = False
-        self.steps: StepSet = StepSet()
+        self.steps: StepSet | frozenset[int] = frozenset()
         self.role: Role | None = None
         self.config: RoleConfig | None = None
         self.store: CacheStore | None = None
@@ -89,7 +90,9 @@ class _Slot:
     def activate(self, role: Role, config: RoleConfig, store: CacheStore) -> None:
         self.role, self.config, self.store = role, config, store
         self.online = role.online_step
-        self.steps = config.steps
+        # A set's ``in`` is C: the decorator's cost on every ineligible step. Ranges too long for one
+        # (``1..``, ``1..1000000000000``) stay ranges.
+        self.steps = frozenset(config.steps) if len(config.steps) <= _SET_STEPS else config.steps
         self.enabled = True
 
     def plan(self, fn: Callable, how: tuple[inspect.Signature, int, Layout | None], args: tuple, kwargs: dict):
@@ -310,7 +313,7 @@ class SkipManager:
         that ends there never reaches them (a typo such as ``1..2000`` for ``1..200``). An open
         range (``1..``, every step) is never a typo."""
         active = [(name, slot) for name, slot in _slots.items() if slot.enabled and not slot.online]
-        beyond = {name: slot.steps.bounded.above(last_step) for name, slot in active}
+        beyond = {name: slot.config.steps.bounded.above(last_step) for name, slot in active}
         return {name: steps for name, steps in beyond.items() if steps}
 
     @classmethod
