@@ -146,8 +146,9 @@ class _Slot:
             with spans.span("skip_load", role=self.name, source_step=hit.step):
                 result = hooks.skip_warp(role=self.role, config=self.config, store=store, hit=hit, call=call)
         except CorruptEntry as exc:
+            where = exc.path or hit.source
             warnings.warn(
-                f"skip.{self.name} step {step}: ignoring cache entry {exc.path}: {exc}; running it instead",
+                f"skip.{self.name} step {step}: ignoring cache entry {where}: {exc}; running it instead",
                 CacheWarning,
                 stacklevel=2,
             )
