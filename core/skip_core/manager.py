@@ -146,7 +146,7 @@ class _Slot:
             with spans.span("skip_load", role=self.name, source_step=hit.step):
                 result = hooks.skip_warp(role=self.role, config=self.config, store=store, hit=hit, call=call)
         except CorruptEntry as exc:
-            where = exc.path or hit.source
+            where = exc.path or getattr(hit.source, "path", hit.source)
             warnings.warn(
                 f"skip.{self.name} step {step}: ignoring cache entry {where}: {exc}; running it instead",
                 CacheWarning,
