@@ -58,18 +58,21 @@ class Setup:
 
     @cached_property
     def values(self) -> dict[str, Any]:
-        """Every key of the setup, ``None`` where the config has no value: ``{"rollout.temperature": 1.0, ...}``."""
+        """Every key of the setup, ``None`` where the config has no value: ``{"rollout.temperature": 1.0,
+        "model.path": <digest of the model's files>, ...}``."""
         rollout, turns = self._rollout, self._rollout.get("multi_turn") or {}
         backend = rollout.get("name") or rollout.get("backend")  # verl's key, skip's key
         engine = (rollout.get("engine_kwargs") or {}).get(backend) or {}
         values = {f"rollout.{key}": rollout.get(key) for key in SAMPLING}
         values["rollout.backend"] = backend
         values["rollout.dtype"] = rollout.get("dtype") or (engine.get("dtype") if isinstance(engine, dict) else None)
-        values["rollout.max_turns"] = turns.get("max_turns") or turns.get("max_assistant_turns")
-        values["rollout.tools"] = _file_digest(turns.get("tools_config") or turns.get("tool_config_path"))
+        values["rollout.multi_turn.max_turns"] = turns.get("max_turns") or turns.get("max_assistant_turns")
+        tools = turns.get("tools_config") or turns.get("tool_config_path")  # skip's key, verl's key
+        values["rollout.multi_turn.tools_config"] = _file_digest(tools)
+        # Named by the keys that choose them, valued by what they hold: a copy elsewhere is no change.
         path = self._model.get("path")
-        values["model"] = model_digest(path) if path else None
-        values["chat_template"] = chat_template_digest(path, self._model.get("custom_chat_template"))
+        values["model.path"] = model_digest(path) if path else None
+        values["model.chat_template"] = chat_template_digest(path, self._model.get("custom_chat_template"))
         return json.loads(json.dumps(values, default=str))  # as meta.json will hold it
 
 

@@ -239,7 +239,7 @@ def test_the_model_is_named_by_its_files_not_its_path(tmp_path):
     SkipManager.flush()
     with_config["actor_rollout_ref"]["model"] = {"path": str(copy)}
     SkipManager.init(with_config)
-    with pytest.warns(SetupMismatchWarning, match=r"generated under another setup: model \("):
+    with pytest.warns(SetupMismatchWarning, match=r"generated under another setup: model\.path \("):
         assert SkipManager.would_replace("rollout", 1, make_prompts(seed=1))
 
 
