@@ -297,8 +297,17 @@ def test_same_seed_same_sampling_seeds_and_steps_differ(tokenizer):
 # -- skip roles on the real entry points ----------------------------------------------------
 
 
+def loop_config(tmp_path, n: int = 1, **section) -> dict:
+    """A run config whose lengths and ``rollout.n`` are the loop's (``make_loop``): the skip role
+    checks a cached rollout against them."""
+    config = run_config(tmp_path, **section)
+    config["data"].update(max_prompt_length=64, max_response_length=256)
+    config["actor_rollout_ref"]["rollout"]["n"] = n
+    return config
+
+
 def test_rollout_role_second_run_loads_instead_of_generating(tokenizer, tmp_path):
-    config = run_config(tmp_path, steps=[1])
+    config = loop_config(tmp_path, n=2, steps=[1])
     batch = prompts(tokenizer, ["What is 2 + 2?", "What is 3 * 3?"], global_steps=1)
     results = []
     for _ in range(2):
@@ -315,7 +324,7 @@ def test_rollout_role_second_run_loads_instead_of_generating(tokenizer, tmp_path
 
 
 def test_async_rollout_role_loads_each_sample_by_its_feed_index(tokenizer, tmp_path):
-    config = run_config(tmp_path, role="async_rollout", steps=[0, 1, 2])
+    config = loop_config(tmp_path, role="async_rollout", steps=[0, 1, 2])
 
     async def stream(loop):
         questions = [f"What is {i} + 1?" for i in range(3)]
