@@ -14,7 +14,7 @@ dropped instead. Lines that name an event and a time but no duration (the articl
 
 Each file is parsed by ``pyarrow.json`` (vectorized, a million lines in seconds); a file it
 rejects (garbage lines, a field whose type changes between lines, bytes that are not UTF-8) is
-parsed again line by line with ``json.loads``, and so is a file with a line that may nest deeper
+parsed again line by line with ``skip_core.reading.loads``, and so is a file with a line that may nest deeper
 than ``skip_core.reading.MAX_DEPTH`` (pyarrow recurses, and deep enough it kills the process).
 A file that cannot be read is named and left out. Nothing is ever evaluated or unpickled.
 """
@@ -22,7 +22,6 @@ A file that cannot be read is named and left out. Nothing is ever evaluated or u
 from __future__ import annotations
 
 import io
-import json
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -223,7 +222,7 @@ def _complete_lines(data: bytes) -> tuple[bytes, int]:
     if not tail.strip():
         return data, 0
     try:
-        whole = isinstance(_parse(tail), dict)
+        whole = isinstance(loads(tail), dict)
     except ValueError:
         whole = False
     return (data + b"\n", 0) if whole else (data[:cut], 1)
@@ -250,22 +249,15 @@ def _most_brackets(data: bytes) -> int:
     return int(np.diff(ends).max())
 
 
-def _parse(line: bytes) -> Any:
-    """``json.loads`` of one line, bounded in nesting: a line with few brackets cannot nest deep,
-    and the rest go through ``skip_core.reading.loads``, whose check would cost more than the parse."""
-    if line.count(b"[") + line.count(b"{") <= MAX_DEPTH:
-        return json.loads(line)
-    return loads(line)
-
-
 def _read_lines(data: bytes) -> tuple[pa.Table | None, int]:
-    """The slow path: one parse per line, garbage counted, clashing types made strings."""
+    """The slow path: one parse per line (``skip_core.reading.loads``: nesting bounded), garbage
+    counted, clashing types made strings."""
     rows, bad = [], 0
     for line in data.splitlines():
         if not line.strip():
             continue
         try:
-            obj = _parse(line)
+            obj = loads(line)
         except ValueError:  # not JSON, not UTF-8, too deep, an integer of thousands of digits
             bad += 1
             continue
