@@ -143,7 +143,8 @@ class StepSet:
 
         # The plain steps are validated as a list of non-negative integers, so an error names
         # the item (``steps[1]: expected an integer``); ranges stand in it as their first step.
-        items = core_schema.list_schema(core_schema.int_schema(ge=0))
+        # Strict: ``true`` is no step 1, nor ``2.5`` step 2 (digit strings are read before).
+        items = core_schema.list_schema(core_schema.int_schema(ge=0, strict=True))
         return core_schema.no_info_wrap_validator_function(
             _parse_steps,
             items,
@@ -162,6 +163,7 @@ def _parse_steps(value: Any, validate: Callable[[Any], list[int]]) -> StepSet:
     for index, item in enumerate(items):
         first, dots, last = item.partition("..") if isinstance(item, str) else (item, "", "")
         if not dots:
+            items[index] = int(item) if isinstance(item, str) and _digits(item.strip()) else item
             continue
         first, last = first.strip(), last.strip()
         if not (_digits(first) and (_digits(last) or not last)):

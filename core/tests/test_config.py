@@ -21,6 +21,7 @@ from skiptests import ROOT, run_config
         ({"steps": "5..1"}, "skip.rollout.steps: the range '5..1' is empty: write the smaller step first"),
         ({"steps": [1, "two"]}, "skip.rollout.steps[1]: expected an integer, got 'two'"),
         ({"steps": [1, -2]}, "skip.rollout.steps[1]: expected an integer >= 0, got -2"),
+        ({"steps": [1, True]}, "skip.rollout.steps[1]: expected an integer, got True"),  # not step 1
         (
             {"stpes": [1]},
             "skip.rollout.stpes: unknown key (allowed: action, dump_dir, enable, on_prompt_mismatch, "

@@ -367,10 +367,6 @@ def _job_steps(raw: Any) -> StepSet:
     if raw is None:
         return StepSet([(1, 1)])
     value = to_container(raw)
-    items = value if isinstance(value, list) else [value]
-    for index, item in enumerate(items):
-        if isinstance(item, bool):  # pydantic would take true for step 1
-            raise ConfigError(f"{_step_key(value, (index,))}: {_a_step(value)}, got {item!r}")
     try:
         steps = TypeAdapter(Steps).validate_python(value)
     except ValidationError as exc:
