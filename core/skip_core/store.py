@@ -195,10 +195,11 @@ class CacheStore:
         they were verified or do not decode."""
         files = entry.meta["files"]
         try:
-            for name in encoding.TENSORS, encoding.DATA:
-                with reading.opened(entry.path / name, files[name]["bytes"], self.root):
-                    pass  # still the regular file, no larger, that was verified
+            # Each still the regular file, no larger, that was verified: data.json as it is read,
+            # the tensors before safetensors maps them.
             payload = reading.read_json(entry.path / encoding.DATA, files[encoding.DATA]["bytes"], self.root)
+            with reading.opened(entry.path / encoding.TENSORS, files[encoding.TENSORS]["bytes"], self.root):
+                pass
             return encoding.read(entry.path, payload)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CorruptEntry(f"cannot load it: {exc}", entry.path) from None
