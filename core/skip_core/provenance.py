@@ -26,6 +26,7 @@ from typing import Any
 
 import xxhash
 
+from skip_core import reading
 from skip_core.config import select, to_container
 from skip_core.files import package_file
 
@@ -136,7 +137,7 @@ def chat_template_digest(path: str | os.PathLike | None, custom: str | None = No
     if not texts and directory is not None and directory.is_dir():
         texts = [_read(directory / name) for name in ("chat_template.jinja", "chat_template.json")]
         try:
-            tokenizer = json.loads(_read(directory / "tokenizer_config.json") or b"{}")
+            tokenizer = reading.loads(_read(directory / "tokenizer_config.json") or b"{}")  # nesting bounded
         except ValueError:
             tokenizer = {}
         template = tokenizer.get("chat_template") if isinstance(tokenizer, dict) else None
