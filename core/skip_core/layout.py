@@ -20,18 +20,8 @@ from skip_core.config import Namespace
 
 Width = Literal["prompt", "response", "sequence"]
 # safetensors' dtype names, as torch names them.
-_DTYPES = {
-    "BOOL": "bool",
-    "U8": "uint8",
-    "I8": "int8",
-    "I16": "int16",
-    "I32": "int32",
-    "I64": "int64",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "F32": "float32",
-    "F64": "float64",
-}
+_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64",
+           "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}  # fmt: skip
 
 
 @dataclass(frozen=True)

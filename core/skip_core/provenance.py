@@ -107,7 +107,11 @@ def model_digest(path: str | os.PathLike) -> str:
     digest = xxhash.xxh3_128()
     for name in ("config.json", "generation_config.json"):
         _add(digest, name, _read(directory / name))
-    for file in sorted(p for p in directory.iterdir() if p.name.endswith((*WEIGHTS, ".index.json"))):
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        names = []  # an unreadable directory: the backend loading the model will say so
+    for file in (directory / name for name in names if name.endswith((*WEIGHTS, ".index.json"))):
         try:
             info = file.stat()  # following links: a Hugging Face cache links its files to blobs
             if not stat.S_ISREG(info.st_mode):
@@ -150,7 +154,10 @@ def _file_digest(path: str | None) -> str | None:
     """A digest of a config file's content (``pkg://`` paths resolved); its path where it cannot be read."""
     if not path:
         return None
-    data = _read(package_file(str(path)))
+    try:
+        data = _read(package_file(str(path)))
+    except ModuleNotFoundError:  # pkg:// naming a package not installed: the run's own check says so
+        data = None
     return xxhash.xxh3_128_hexdigest(data) if data is not None else f"path:{path}"
 
 

@@ -22,7 +22,7 @@ from skip_core.caching import PromptMismatchError, SetupMismatchError, SetupMism
 from skip_core.cli import cli
 from skip_core.config import RoleConfig, StepSet, parse_section
 from skip_core.layout import Column, Layout
-from skip_core.provenance import model_digest
+from skip_core.provenance import Setup, model_digest
 from skip_core.reading import nesting
 from skip_core.store import META, CacheStore, CacheWarning, seal
 from skiptests import NS, ROOT, make_prompts, run_config
@@ -387,3 +387,15 @@ def test_a_plugin_declaring_another_plugins_section_is_one_line_naming_both(tmp_
     chosen = line.split("SKIP_PLUGINS=")[1].split()[0].split(",")
     assert len({"skip-plugin-profiling", "skip-plugin-rogue"} & set(chosen)) == 1
     assert "skip-plugin-rogue" in done.stdout  # the table still lists every plugin
+
+
+def test_a_setup_whose_files_cannot_be_read_is_named_never_raised(tmp_path):
+    """The setup is read from the user's model directory and tools file: a nested tokenizer
+    config or a tools file in a package that is not installed must not break a lookup."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tokenizer_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    turns = {"tools_config": "pkg://not_an_installed_package/tools.yaml"}
+    values = Setup({"actor_rollout_ref": {"model": {"path": str(model)}, "rollout": {"multi_turn": turns}}}).values
+    assert values["model.chat_template"] is None
+    assert values["rollout.multi_turn.tools_config"] == "path:pkg://not_an_installed_package/tools.yaml"
