@@ -55,15 +55,11 @@ def hydra_job(name: str, help: str, job: Callable[[Any, Console], Any]) -> click
     )
     @click.option("--config-name", default=name, show_default=True)
     def command(overrides: tuple[str, ...], config_dir: Path | None, config_name: str) -> None:
-        from skip_core.config import ConfigError
-
         from skip_plugin_trainer.train.resume import RunStopped
 
         config = compose_config(config_dir, config_name, overrides)
-        try:
+        try:  # any other skip error is one line at the ``skip`` command's boundary (skip_core.cli)
             job(config, console)
-        except ConfigError as exc:
-            raise click.ClickException(str(exc)) from None
         except RunStopped as exc:
             if os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
