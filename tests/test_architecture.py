@@ -60,9 +60,11 @@ def test_core_is_small():
     # (``SkipManager.would_replace``, train-only) and steps came as ranges (issue 25), 3750 since
     # every entry is read as hostile input: one reader for files (``reading``), the layout a
     # replayed result must fit (``layout``), the setup that produced it (``provenance``) and
-    # steps kept as ranges (issue 35); a bound still, so that growth is a decision.
+    # steps kept as ranges (issue 35), 3800 since entries hold jagged tensors and a plugin can
+    # drive an enabled role itself (``SkipManager.active``: verl's TransferQueue role, issue 36);
+    # a bound still, so that growth is a decision.
     lines = sum(len(path.read_text().splitlines()) for path in modules("core").values())
-    assert lines <= 3750, f"skip-core has {lines} lines"
+    assert lines <= 3800, f"skip-core has {lines} lines"
 
 
 def test_core_imports_no_plugin_even_by_name():

@@ -1,6 +1,8 @@
 """A ``Batch`` on disk as data only: loading can never execute code.
 
-``tensors.safetensors`` holds ``batch`` (memory-mapped on load). ``data.json`` holds
+``tensors.safetensors`` holds ``batch`` (memory-mapped on load); a jagged nested tensor (verl's
+TransferQueue trajectories: one ragged row per sample) is kept as its values and offsets under
+two suffixed names and comes back jagged. ``data.json`` holds
 ``non_tensor_batch`` and ``meta_info`` in JSON, with a few tagged forms so numpy dtypes,
 shapes, tuples, bytes and non-string dict keys come back as they went in. Anything else is
 refused at dump time with the path of the offending value.
@@ -24,6 +26,8 @@ DATA = "data.json"
 IDENTITY_KEYS = frozenset({"uid"})
 
 _TAG = "__skip__"
+# A jagged tensor ``x`` is stored as ``x`` + these: names no safetensors key of ``write``'s has otherwise.
+_VALUES, _OFFSETS = "\x1fjagged_values", "\x1fjagged_offsets"
 _ARRAY_KINDS = "biufUO"  # bool, ints, floats, unicode, object: all representable in JSON
 
 
@@ -65,7 +69,7 @@ def read(directory: Path, payload: Any = None) -> Any:
         raise ValueError(f"{DATA} does not decode: {exc!r}") from None
     if not isinstance(meta_info, dict) or not all(isinstance(v, np.ndarray) for v in non_tensors.values()):
         raise ValueError(f"{DATA} does not hold a batch's non-tensor data")
-    return Batch(load_file(str(directory / TENSORS)), non_tensors, meta_info)
+    return Batch(_regroup(load_file(str(directory / TENSORS))), non_tensors, meta_info)
 
 
 def tensors_of(batch: Any) -> dict[str, Any]:
@@ -77,13 +81,45 @@ def storable(tensors: Mapping[str, Any]) -> dict[str, Any]:
     """safetensors refuses views sharing storage and non-contiguous tensors: copy just those."""
     seen: set[int] = set()
     out = {}
-    for key, tensor in tensors.items():
+    for key, tensor in _flat(tensors).items():
         tensor = tensor.detach().cpu()
         ptr = tensor.untyped_storage().data_ptr()
         if ptr in seen or not tensor.is_contiguous() or tensor.storage_offset() or _is_partial(tensor):
             tensor = tensor.contiguous().clone()
         seen.add(tensor.untyped_storage().data_ptr())
         out[key] = tensor
+    return out
+
+
+def _flat(tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """Jagged nested tensors as their values and offsets; other tensors as they are."""
+    import torch
+
+    out = {}
+    for key, tensor in tensors.items():
+        if not tensor.is_nested:
+            out[key] = tensor
+        elif tensor.layout != torch.jagged or tensor._ragged_idx != 1 or tensor.lengths() is not None:
+            raise EncodingError(f"batch[{key!r}]: only jagged tensors ragged in dim 1, with no holes, are stored")
+        else:
+            out[key + _VALUES], out[key + _OFFSETS] = tensor.values(), tensor.offsets()
+    return out
+
+
+def _regroup(tensors: dict[str, Any]) -> dict[str, Any]:
+    """Inverse of ``_flat``; ``ValueError`` for values and offsets that do not make a jagged tensor."""
+    import torch
+
+    out = {k: v for k, v in tensors.items() if not k.endswith((_VALUES, _OFFSETS))}
+    for key in (k[: -len(_VALUES)] for k in tensors if k.endswith(_VALUES)):
+        values, offsets = tensors[key + _VALUES], tensors.get(key + _OFFSETS)
+        if offsets is None or offsets.dtype != torch.int64 or offsets.dim() != 1 or len(offsets) < 2 or key in out:
+            raise ValueError(f"batch[{key!r}]: jagged values without their int64 offsets")
+        if offsets[0] != 0 or offsets[-1] != len(values) or bool((offsets.diff() < 0).any()) or values.dim() < 1:
+            raise ValueError(f"batch[{key!r}]: offsets that do not split its values into rows")
+        out[key] = torch.nested.nested_tensor_from_jagged(values, offsets)
+    if len(out) + sum(1 for k in tensors if k.endswith(_VALUES)) != len(tensors):
+        raise ValueError("jagged offsets without their values")
     return out
 
 
@@ -180,13 +216,13 @@ def fingerprint(batch: Any) -> str | None:
         return None
     import torch
 
-    tensors = tensors_of(batch)
     digest = xxhash.xxh3_128()
-    for key in sorted(tensors):
-        tensor = tensors[key].detach().cpu().contiguous()
-        digest.update(f"{key}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
     try:
+        tensors = _flat(tensors_of(batch))
+        for key in sorted(tensors):
+            tensor = tensors[key].detach().cpu().contiguous()
+            digest.update(f"{key}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
         for key in sorted(k for k in others if k not in IDENTITY_KEYS):
             digest.update(json.dumps([key, encode(others[key], key)], sort_keys=True).encode())
     except EncodingError:  # e.g. images: such inputs go unchecked rather than fail the step

@@ -304,6 +304,13 @@ class SkipManager:
         return _slot(role).would_replace(step, prompts, generation, layout)
 
     @classmethod
+    def active(cls, role: str) -> tuple[Role, RoleConfig, CacheStore] | None:
+        """The role, its validated section and its store when ``role`` is enabled, else ``None``:
+        for a plugin whose calls do not fit one decorated function (verl's TransferQueue role)."""
+        slot = _slots.get(role)
+        return (slot.role, slot.config, slot.store) if slot is not None and slot.enabled else None
+
+    @classmethod
     def stores(cls) -> dict[str, CacheStore]:
         """The cache store of each enabled role, by role name."""
         return {name: slot.store for name, slot in _slots.items() if slot.enabled}

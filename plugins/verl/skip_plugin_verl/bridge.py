@@ -7,22 +7,29 @@ three class methods, on the class every verl module imports, by skip's: the role
 installed skip roles, ``skip.<role>`` is validated by skip, and results go to skip's verified
 store. A replayed result comes back as a verl ``DataProto`` (``plugin.skip_warp``).
 
-What stays verl's: ``annotate_tq`` and the roles only verl has (``rollout_tq``, for the V1
-trainer's TransferQueue), served by verl's own code with a warning; and the whole manager on a
-verl version not in ``TESTED``, or with ``SKIP_PLUGINS`` leaving this distribution out.
+``annotate_tq(role, phase)``, the V1 trainer's TransferQueue decorator, is served the same way
+for skip's role ``rollout_tq`` (module ``rollout_tq``). What stays verl's: a role registered with verl's
+``register_skip`` that no skip plugin provides, served by verl's own code with a warning; and
+the whole manager on a verl version not in ``TESTED``, or with ``SKIP_PLUGINS`` leaving this
+distribution out.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from collections.abc import Iterator, Mapping
 from types import ModuleType
 from typing import Any
 
+from skip_plugin_verl import rollout_tq
+
 DISTRIBUTION = "skip-plugin-verl"
 TESTED = ("0.9.1",)
-VERL_DUMP = "gen_batch.dp"
+# Where verl's own code leaves each role's pickled dumps under a namespace directory.
+VERL_DUMPS = {"rollout_tq": "*/*/tq_batch.pt"}
+VERL_DUMP = "*/gen_batch.dp"
 
 
 class VerlBridgeWarning(UserWarning):
@@ -45,9 +52,11 @@ def install(module: ModuleType) -> bool:
         )
         return False
     manager = module.SkipManager
+    verl_annotate_tq = manager.annotate_tq
     manager.init = classmethod(_init)
     manager.set_step = classmethod(_set_step)
     manager.annotate = classmethod(_annotate)
+    manager.annotate_tq = classmethod(functools.partial(_annotate_tq, verl_annotate_tq))
     manager.served_by = DISTRIBUTION
     return True
 
@@ -63,6 +72,7 @@ def _init(cls: type, config: Any) -> None:
     SkipManager.init(config if ours is None else _WithSkip(config, ours))
     SkipManager.set_step(-1)
     cls.step = -1
+    rollout_tq.reset(config)
     cls.skip_instances = _verl_instances(verl_only, config)
     _retire_legacy_rollout_skip(config)
     _point_at_verl_dumps()
@@ -81,8 +91,16 @@ def _annotate(cls: type, role: str, **kwargs: Any):
     return SkipManager.annotate(role, **kwargs)
 
 
+def _annotate_tq(verl_annotate_tq: Any, cls: type, role: str, phase: str):
+    from skip_core.plugins import registry
+
+    if role not in registry().roles:  # a role verl's own code serves (``register_skip``)
+        return verl_annotate_tq(role=role, phase=phase)
+    return rollout_tq.annotate_tq(role, phase, lambda: cls.step)
+
+
 def _verl_only(section: Any, roles: Mapping[str, Any]) -> dict[str, Any]:
-    """Sections of roles verl registers and no installed skip plugin provides (``rollout_tq``)."""
+    """Sections of roles verl registers (``register_skip``) and no installed skip plugin provides."""
     from verl.utils.skip.base_skip import SKIP_REGISTRY
 
     if not isinstance(section, Mapping):
@@ -147,10 +165,12 @@ def _point_at_verl_dumps() -> None:
             continue
         run = store.namespace.experiment_name + "_" + store.namespace.project_name
         verl_dir = store.root / safe_name(run) / store.namespace.shape  # verl's layout, for every role
-        found = list(verl_dir.glob(f"*/{VERL_DUMP}"))
+        pattern = VERL_DUMPS.get(role, VERL_DUMP)
+        found = list(verl_dir.glob(pattern))
         if found:
             warnings.warn(
-                f"skip.{role}: {len(found)} verl dump(s) in {verl_dir} ({VERL_DUMP}, pickles) are never loaded "
+                f"skip.{role}: {len(found)} verl dump(s) in {verl_dir} ({pattern.rsplit('/', 1)[-1]}, pickles) "
+                "are never loaded "
                 "and left in place; convert them once into another dump_dir with "
                 f"`skip cache import-verl {store.root} NEW_DUMP_DIR --trust-pickle --role {role}`",
                 VerlBridgeWarning,

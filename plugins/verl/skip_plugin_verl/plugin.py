@@ -1,4 +1,5 @@
-"""The skip hooks of skip-plugin-verl: the ``import-verl`` command, and replayed results as verl's type."""
+"""The skip hooks of skip-plugin-verl: the role ``rollout_tq``, the ``import-verl`` command, and
+replayed results as verl's type."""
 
 from __future__ import annotations
 
@@ -6,6 +7,13 @@ from skip_core import hookimpl
 from skip_core.caching import CACHE_ACTIONS
 
 from skip_plugin_verl.bridge import dataproto_class, to_dataproto
+
+
+@hookimpl
+def skip_register_roles(register):
+    from skip_plugin_verl.rollout_tq import ROLE
+
+    register(ROLE)
 
 
 @hookimpl
