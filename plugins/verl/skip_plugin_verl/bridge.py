@@ -8,10 +8,13 @@ installed skip roles, ``skip.<role>`` is validated by skip, and results go to sk
 store. A replayed result comes back as a verl ``DataProto`` (``plugin.skip_warp``).
 
 ``annotate_tq(role, phase)``, the V1 trainer's TransferQueue decorator, is served the same way
-for skip's role ``rollout_tq`` (module ``rollout_tq``). What stays verl's: a role registered with verl's
+for skip's role ``rollout_tq`` (module ``rollout_tq``), and ``init`` wraps the V1 trainer's reward,
+old log-prob, reference log-prob and value phases for skip's roles of those names (module
+``phases``). What stays verl's: a role registered with verl's
 ``register_skip`` that no skip plugin provides, served by verl's own code with a warning; and
 the whole manager on a verl version not in ``TESTED``, or with ``SKIP_PLUGINS`` leaving this
-distribution out.
+distribution out. ``skip.profiling`` is no role: ``init`` hands it to ``profiling``, which puts
+skip's spans into verl's trainer and agent loop (``install`` instruments them as they load).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from collections.abc import Iterator, Mapping
 from types import ModuleType
 from typing import Any
 
-from skip_plugin_verl import rollout_tq
+from skip_plugin_verl import phases, profiling, rollout_tq
 
 DISTRIBUTION = "skip-plugin-verl"
 TESTED = ("0.9.1",)
@@ -58,6 +61,7 @@ def install(module: ModuleType) -> bool:
     manager.annotate = classmethod(_annotate)
     manager.annotate_tq = classmethod(functools.partial(_annotate_tq, verl_annotate_tq))
     manager.served_by = DISTRIBUTION
+    profiling.install()
     return True
 
 
@@ -66,16 +70,19 @@ def _init(cls: type, config: Any) -> None:
     from skip_core.config import select, to_container
     from skip_core.plugins import registry
 
-    section = to_container(select(config, "skip"))
+    section, spans_section = profiling.take(to_container(select(config, "skip")))
+    spans_settings = profiling.parse(spans_section)  # validated before any store opens
     verl_only = _verl_only(section, registry().roles)
-    ours = {k: v for k, v in section.items() if k not in verl_only} if verl_only else None
+    ours = {k: v for k, v in section.items() if k not in verl_only} if verl_only or spans_section is not None else None
     SkipManager.init(config if ours is None else _WithSkip(config, ours))
     SkipManager.set_step(-1)
     cls.step = -1
     rollout_tq.reset(config)
+    phases.install(lambda: cls.step)
     cls.skip_instances = _verl_instances(verl_only, config)
     _retire_legacy_rollout_skip(config)
     _point_at_verl_dumps()
+    profiling.start_driver(spans_settings, cls)
 
 
 def _set_step(cls: type, step: int) -> None:
@@ -122,7 +129,7 @@ def _verl_instances(sections: Mapping[str, Any], config: Any) -> dict[str, Any]:
         local = getattr(parsed, name, None)
         if local is not None and local.enable:
             warnings.warn(
-                f"skip.{name}: {DISTRIBUTION} does not cover this verl role; verl's own code serves it "
+                f"skip.{name}: no installed skip plugin provides this verl role; verl's own code serves it "
                 "(pickled dumps, loaded unverified)",
                 VerlBridgeWarning,
                 stacklevel=3,
@@ -168,11 +175,11 @@ def _point_at_verl_dumps() -> None:
         pattern = VERL_DUMPS.get(role, VERL_DUMP)
         found = list(verl_dir.glob(pattern))
         if found:
+            option = "" if role in VERL_DUMPS else f" --role {role}"  # a tq_batch.pt is rollout_tq's, always
             warnings.warn(
                 f"skip.{role}: {len(found)} verl dump(s) in {verl_dir} ({pattern.rsplit('/', 1)[-1]}, pickles) "
-                "are never loaded "
-                "and left in place; convert them once into another dump_dir with "
-                f"`skip cache import-verl {store.root} NEW_DUMP_DIR --trust-pickle --role {role}`",
+                "are never loaded and left in place; convert them once into another dump_dir with "
+                f"`skip cache import-verl {store.root} NEW_DUMP_DIR --trust-pickle{option}`",
                 VerlBridgeWarning,
                 stacklevel=3,
             )

@@ -21,7 +21,7 @@ def register(cli: click.Group) -> None:
 @click.option(
     "--trust-pickle",
     is_flag=True,
-    help="Required: verl's gen_batch.dp files are pickles, and reading a pickle can run code. "
+    help="Required: verl's gen_batch.dp and tq_batch.pt files are pickles, and reading a pickle can run code. "
     "Only convert dumps you made yourself or fully trust.",
 )
 @click.option(
@@ -35,12 +35,13 @@ def register(cli: click.Group) -> None:
     type=click.Choice(["rollout", "async_rollout"]),
     default="rollout",
     show_default=True,
-    help="Role of the entries: verl's async_rollout dumps have the same layout, with feed indices as steps.",
+    help="Role of the gen_batch.dp entries: verl's async_rollout dumps have the same layout, with feed indices "
+    "as steps. tq_batch.pt dumps (the V1 trainer's) always become rollout_tq entries.",
 )
 def cache_import_verl(
     src: Path, dst: Path, trust_pickle: bool, experiment_name: str | None, project_name: str | None, role: str
 ) -> None:
-    """Convert verl's gen_batch.dp dumps under SRC into verified skip entries under DST."""
+    """Convert verl's gen_batch.dp and tq_batch.pt dumps under SRC into verified skip entries under DST."""
     if not trust_pickle:
         raise click.UsageError(
             "verl dumps are pickles and can execute code when read; pass --trust-pickle "

@@ -7,9 +7,18 @@ dumped step::
         gen_batch.dp    DataProto.save_to_disk: pickle.dump of the DataProto
         meta.json       {"global_steps": step}
 
-The directory names give the skip namespace and step of a dump (``target_of``). Its
-``gen_batch.dp`` is read only by ``verl_pickle.read_gen_batch``, which resolves no global
-outside its allow-list; the CLI still requires ``--trust-pickle``.
+and, for the V1 trainer's ``rollout_tq`` (``RolloutTqSkip.prepare_data``), one directory per
+``sample`` call of the step (``inner``: 0 unless ``parameter_sync_step`` > 1)::
+
+    {dump_dir}/{experiment_name}_{project_name}/GBS.../{step}/{inner}/
+        tq_batch.pt     torch.save of the trajectories' TensorDict, keys and tags
+        meta.json       {"global_steps": step, "num_trajectories": ...}
+
+The directory names give the skip namespace and step of a dump (``target_of``); a
+``tq_batch.pt`` becomes the ``inner``-th generation of a ``rollout_tq`` entry. Dumps are read
+only by ``verl_pickle.read_gen_batch`` and ``tq_pickle.read_tq_batch``, which resolve no global
+outside their allow-lists; the CLI still requires ``--trust-pickle``. verl records no prompt
+fingerprint: the imported entries replay onto whatever prompts a step draws, as verl's do.
 """
 
 from __future__ import annotations
@@ -24,11 +33,12 @@ from typing import Any
 from skip_core.config import Namespace
 from skip_core.store import CacheStore
 
+from skip_plugin_verl.tq_pickle import read_tq_batch
 from skip_plugin_verl.verl_pickle import VerlDumpError, read_gen_batch
 
 GEN_BATCH = "gen_batch.dp"
 VERL_META = "meta.json"
-TQ_BATCH = "tq_batch.pt"  # verl's rollout_tq (TransferQueue) dumps: not a DataProto, not imported
+TQ_BATCH = "tq_batch.pt"  # verl's rollout_tq (TransferQueue) dumps, imported as skip's rollout_tq
 SHAPE = re.compile(r"GBS(\d+)_N(\d+)_in(\d+)_out(\d+)")
 MAX_VERL_META_BYTES = 1 << 20
 
@@ -112,17 +122,20 @@ def _verl_meta(step_dir: Path) -> dict:
 
 def target_of(
     dump: Path, experiment_name: str | None = None, project_name: str | None = None
-) -> tuple[Namespace, int, list[str]]:
-    """The skip namespace and step of a ``gen_batch.dp``, from verl's layout; plus warnings."""
-    step_dir = dump.absolute().parent
+) -> tuple[Namespace, int, int, list[str]]:
+    """The skip namespace, step and generation (the ``inner`` call of a ``tq_batch.pt``, else 0)
+    of a dump, from verl's layout; plus warnings."""
+    meta_dir = dump.absolute().parent
+    inner = meta_dir.name if dump.name == TQ_BATCH else "0"
+    step_dir = meta_dir.parent if dump.name == TQ_BATCH else meta_dir
     shape_dir = step_dir.parent
     match = SHAPE.fullmatch(shape_dir.name)
-    if not step_dir.name.isdigit() or match is None:
-        raise VerlDumpError(
-            "not in verl's layout {dump_dir}/{experiment}_{project}/GBS{gbs}_N{n}_in{prompt}_out{response}/{step}/"
-        )
+    if not step_dir.name.isdigit() or not inner.isdigit() or match is None:
+        layout = "{step}/{inner}/" if dump.name == TQ_BATCH else "{step}/"
+        shape = "GBS{gbs}_N{n}_in{prompt}_out{response}"
+        raise VerlDumpError(f"not in verl's layout {{dump_dir}}/{{experiment}}_{{project}}/{shape}/{layout}")
     step = int(step_dir.name)
-    meta = _verl_meta(step_dir)
+    meta = _verl_meta(meta_dir)
     warnings = []
     if "global_steps" in meta and meta["global_steps"] != step:
         warnings.append(f"meta.json records global_steps {meta['global_steps']!r}; using the directory's step {step}")
@@ -132,7 +145,7 @@ def target_of(
         experiment_name, project_name = named  # a verl that records the names in meta.json
     experiment, project = split_run_name(run, experiment_name, project_name)
     gbs, n, prompt_len, response_len = (int(g) for g in match.groups())
-    return Namespace(experiment, project, gbs, n, prompt_len, response_len), step, warnings
+    return Namespace(experiment, project, gbs, n, prompt_len, response_len), step, int(inner), warnings
 
 
 # -- the command -----------------------------------------------------------------------------
@@ -147,7 +160,8 @@ def import_verl(
     project_name: str | None = None,
     role: str = "rollout",
 ) -> ImportedSteps:
-    """Convert every verl ``gen_batch.dp`` under ``src`` into a skip entry of ``role`` under ``dst``.
+    """Convert every verl ``gen_batch.dp`` under ``src`` into a skip entry of ``role`` under ``dst``
+    (and every ``tq_batch.pt`` into a part of a ``rollout_tq`` entry).
 
     ``dst`` is the ``skip.<role>.dump_dir`` of the run that should find the entries; each lands in
     the namespace verl's directory names (``experiment_name``/``project_name`` settle a run
@@ -160,9 +174,6 @@ def import_verl(
     sources: dict[Path, Path] = {}  # destination entry -> the dump imported into it
     dumps = 0
     for dump in find_dumps(src):
-        if dump.name == TQ_BATCH:
-            echo(f"skipping {dump}: verl rollout_tq (TransferQueue) dumps are not supported")
-            continue
         dumps += 1
         try:
             path, line = _import_step(dump, dst, role, (experiment_name, project_name), sources, echo)
@@ -175,7 +186,7 @@ def import_verl(
         written.append(path)
         echo(line)
     if not dumps:
-        echo(f"no {GEN_BATCH} found under {src}")
+        echo(f"no {GEN_BATCH} or {TQ_BATCH} found under {src}")
     elif written.failed:
         echo(f"{len(written.failed)} of {dumps} verl dumps could not be imported")
     return written
@@ -189,16 +200,20 @@ def _import_step(
     sources: Mapping[Path, Path],
     echo: Callable[[str], Any],
 ) -> tuple[Path, str]:
-    """Store one ``gen_batch.dp`` as the skip entry its layout names; returns it and the line reporting it.
+    """Store one dump as the skip entry its layout names; returns it and the line reporting it.
 
     ``sources`` (entry -> dump) holds what this import wrote: two dumps of one namespace and step
     (one run dumped twice, under two ``dump_dir``s) must not silently overwrite each other.
     """
-    namespace, step, warnings = target_of(dump, *names)
+    namespace, step, inner, warnings = target_of(dump, *names)
     for warning in warnings:
         echo(f"warning: {dump}: {warning}")
-    batch = read_gen_batch(dump)
-    store = CacheStore(dst, namespace, role=role)
+    if dump.name == TQ_BATCH:
+        batch, _ = read_tq_batch(dump)
+        store = CacheStore(dst, namespace, role="rollout_tq").generation(inner)
+    else:
+        batch = read_gen_batch(dump)
+        store = CacheStore(dst, namespace, role=role)
     target = store.path(step)
     if target.resolve() == dump.parent.resolve():
         raise VerlDumpError("the destination entry is this verl step directory; choose another DST")

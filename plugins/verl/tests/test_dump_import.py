@@ -163,13 +163,16 @@ def test_a_bad_dump_is_reported_and_the_others_are_imported(tmp_path):
     assert not step_dir(dst, 3).exists() and not step_dir(dst, 4).exists()
 
 
-def test_transfer_queue_dumps_are_skipped_with_a_note(tmp_path):
-    tq = step_dir(tmp_path / "src", 1) / "0"
-    tq.mkdir(parents=True)
+def test_a_transfer_queue_dump_that_is_no_torch_archive_is_reported(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(DEFAULT_DUMP, src)
+    tq = step_dir(src, 1) / "0"
+    tq.mkdir()
     (tq / "tq_batch.pt").write_bytes(b"not read")
-    written, output = collect(tmp_path / "src", tmp_path / "dst")
-    assert not written and "rollout_tq (TransferQueue) dumps are not supported" in output
-    assert "no gen_batch.dp found" in output
+    (tq / "meta.json").write_text(json.dumps({"global_steps": 1, "num_trajectories": 4}))
+    written, output = collect(src, tmp_path / "dst")
+    assert [p.name for p in written] == ["1", "2"]
+    assert f"error: {tq / 'tq_batch.pt'}: " in output and "is not a torch zip archive" in output
 
 
 # -- verl's directory names -----------------------------------------------------------------

@@ -2,7 +2,7 @@
 dependencies on the CPU torch wheel, and skip installed beside it the way the README says
 (``pip install``, not editable: the ``.pth`` start-up hook is part of what is tested).
 
-pip takes a minute and a half to build that venv, in a temporary directory removed afterwards;
+pip takes about two minutes to build that venv (verl, TransferQueue), in a temporary directory removed afterwards;
 ``SKIP_VERL_VENV=DIR`` keeps one between sessions instead (built on first use). skip's
 distributions and a role rendered from ``plugin_template/`` are installed from this checkout
 every session. The build does not overlap other tests: running beside the suite, its disk
@@ -28,9 +28,16 @@ pytestmark = pytest.mark.slow
 
 IN_VERL = Path(__file__).resolve().parent / "in_verl"
 VERL = "verl==0.9.1"
+# The V1 trainer's store (``tq.init`` as verl's TaskRunnerV1 calls it): verl leaves it undeclared.
+TRANSFER_QUEUE = "transferqueue==0.1.11"
 # verl's agent loop imports these without declaring them; its rollout servers bring them in practice.
 UNDECLARED = ("cachetools", "fastapi", "uvicorn")
-DISTRIBUTIONS = ("core", "plugins/rollout", "plugins/async_rollout", "plugins/verl")
+DISTRIBUTIONS = (
+    "core",
+    *(f"plugins/{role}" for role in ("rollout", "async_rollout", "reward", "old_log_prob", "ref_log_prob", "values")),
+    "plugins/profiling",
+    "plugins/verl",
+)
 TEMPLATE_ROLE = "judge"
 PIP = ("-m", "pip", "install", "--quiet", "--disable-pip-version-check")
 
@@ -48,7 +55,7 @@ def verl_venv() -> Iterator[Path]:
         home = Path(kept).absolute() if kept else Path(scratch) / "verl"
         if not (home / "bin" / "python").exists():
             run(sys.executable, "-m", "venv", home)
-            requirements = ("torch==2.13.0", VERL, *UNDECLARED, "pytest", "setuptools>=70.1")
+            requirements = ("torch==2.13.0", VERL, TRANSFER_QUEUE, *UNDECLARED, "pytest", "setuptools>=70.1")
             run(home / "bin" / "python", *PIP, "-c", ROOT / "constraints.txt", *requirements)
         yield home
 

@@ -266,14 +266,25 @@ def test_a_role_rendered_from_plugin_template_is_a_role_verl_can_name(tmp_path):
     assert verify(entry(dumps, 1, role=role), role=role)["role"] == role
 
 
-def test_transfer_queue_role_stays_verls_with_a_warning(tmp_path):
-    from verl.utils.skip.rollout_skip import RolloutTqSkip
-
-    with pytest.warns(UserWarning, match="skip.rollout_tq: skip-plugin-verl does not cover this verl role"):
+def test_the_transfer_queue_role_is_skips(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         SkipManager.init(run_config(tmp_path, role="rollout_tq"))
 
-    assert isinstance(SkipManager.skip_instances["rollout_tq"], RolloutTqSkip)
-    assert skip_core.SkipManager.stores() == {}
+    assert SkipManager.skip_instances == {}
+    assert list(skip_core.SkipManager.stores()) == ["rollout_tq"]
+
+
+def test_a_verl_role_no_installed_plugin_provides_stays_verls_with_a_warning(tmp_path):
+    """skip-plugin-rollout left out by ``SKIP_PLUGINS``: verl's own ``RolloutSkip`` serves ``skip.rollout``."""
+    said = run_script("verl_role.py", str(tmp_path), env={"SKIP_PLUGINS": "skip-plugin-verl"})
+
+    assert said["served_by"] == "skip-plugin-verl"
+    assert said["instances"] == {"rollout": "RolloutSkip"} and said["stores"] == []
+    assert said["warnings"] == [
+        "skip.rollout: no installed skip plugin provides this verl role; verl's own code serves it "
+        "(pickled dumps, loaded unverified)"
+    ]
 
 
 def test_the_legacy_rollout_skip_flag_is_turned_off_with_a_deprecation_warning(tmp_path):

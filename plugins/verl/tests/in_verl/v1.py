@@ -31,8 +31,9 @@ PARTITION = "train"
 VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/", "throughput")
 
 
-def verl_config(dump_dir: Path, mode: str = "sync", steps=(1, 2, 3), **skip: Any) -> Any:
-    """verl's own ``ppo_trainer.yaml``, composed by Hydra as ``main_ppo`` composes it, at a CPU size."""
+def verl_config(dump_dir: Path, mode: str = "sync", steps=(1, 2, 3), total: int = 3, **skip: Any) -> Any:
+    """verl's own ``ppo_trainer.yaml``, composed by Hydra as ``main_ppo`` composes it, at a CPU size:
+    ``total`` steps, ``skip.rollout_tq`` on for ``steps`` with the ``skip`` settings given."""
     import verl
 
     settings = {"enable": True, "dump_dir": str(dump_dir), "steps": list(steps), "action": "cache", **skip}
@@ -40,7 +41,7 @@ def verl_config(dump_dir: Path, mode: str = "sync", steps=(1, 2, 3), **skip: Any
         f"trainer.v1.trainer_mode={mode}",
         "trainer.experiment_name=exp",
         "trainer.project_name=proj",
-        f"trainer.total_training_steps={max(steps)}",
+        f"trainer.total_training_steps={total}",
         "trainer.val_before_train=False",
         "trainer.test_freq=-1",
         "trainer.save_freq=-1",
@@ -61,7 +62,8 @@ def verl_config(dump_dir: Path, mode: str = "sync", steps=(1, 2, 3), **skip: Any
         "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
     ]
-    overrides += [f"skip.rollout_tq.{key}={_hydra(value)}" for key, value in settings.items()]
+    # ``++``: skip's keys verl's own schema does not have (``on_prompt_mismatch``) are added.
+    overrides += [f"++skip.rollout_tq.{key}={_hydra(value)}" for key, value in settings.items()]
     config_dir = Path(verl.__file__).parent / "trainer" / "config"
     with initialize_config_dir(config_dir=str(config_dir), version_base=None):
         return compose("ppo_trainer", overrides=overrides)
@@ -105,6 +107,7 @@ class ScriptedAgentLoop:
     def __init__(self, n: int) -> None:
         self.n = n
         self.prompts = 0
+        self.asked: list[list[str]] = []  # the prompts of each call, as text
         self.random = random.Random(os.urandom(8))
 
     def generate_sequences(self, batch: Any) -> None:
@@ -113,6 +116,7 @@ class ScriptedAgentLoop:
         from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics
         from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
+        self.asked.append([])
         for i in range(len(batch)):
             prompt = {}
             for key, value in batch.items():
@@ -121,6 +125,7 @@ class ScriptedAgentLoop:
             self.prompts += 1
             keys, fields, tags = [], [], []
             text = prompt["raw_prompt"][0]["content"]
+            self.asked[-1].append(text)
             for session in range(self.n):
                 length = self.random.randint(1, 6)
                 output = AgentLoopOutput(
