@@ -19,7 +19,13 @@ PACKAGES = {"core": "skip_core", **{p.name: f"skip_plugin_{p.name}" for p in (RO
 # The trainer's stack: a user who installs skip-core for a cache must not get it.
 TRAINER_STACK = ("ray", "transformers", "tokenizers", "matplotlib", "pyarrow", "hydra")
 # Imported only when a user opts in, each behind an error that says what to install.
-OPTIONAL = {"skip_core": {"hydra-core"}, "skip_plugin_trainer": {"wandb"}, "skip_plugin_verl": {"verl", "omegaconf"}}
+# skip-plugin-verl imports verl's own stack only inside verl's processes, where verl brought it
+# (TransferQueue is named by its import name where it is not installed).
+OPTIONAL = {
+    "skip_core": {"hydra-core"},
+    "skip_plugin_trainer": {"wandb"},
+    "skip_plugin_verl": {"verl", "omegaconf", "ray", "transfer-queue"},
+}
 
 
 def modules(folder: str) -> dict[str, Path]:
