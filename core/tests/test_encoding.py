@@ -100,3 +100,49 @@ def test_fingerprint_covers_dtype_and_shape():
     a = Batch.from_dict({"x": torch.zeros(2, 4, dtype=torch.int32)})
     b = Batch.from_dict({"x": torch.zeros(2, 2, dtype=torch.int64)})
     assert fingerprint(a) != fingerprint(b)
+
+
+def _jagged(*lengths: int) -> torch.Tensor:
+    return torch.nested.as_nested_tensor([torch.arange(n) for n in lengths], layout=torch.jagged)
+
+
+def test_jagged_tensors_are_stored_as_values_and_offsets_and_come_back_ragged(tmp_path):
+    from safetensors import safe_open
+    from skip_core.encoding import TENSORS, read, write
+
+    batch = Batch({"responses": _jagged(3, 1, 4), "reward": torch.tensor([0.5, 1.0, 0.0])})
+    write(batch, tmp_path)
+    back = read(tmp_path)
+
+    with safe_open(str(tmp_path / TENSORS), "pt") as stored:
+        assert sorted(stored.keys()) == ["responses\x1fjagged_offsets", "responses\x1fjagged_values", "reward"]
+    assert back.batch["responses"].is_nested
+    assert [row.tolist() for row in back.batch["responses"].unbind()] == [[0, 1, 2], [0], [0, 1, 2, 3]]
+    other = Batch({"responses": _jagged(3, 2, 3), "reward": batch.batch["reward"]})  # same values, other rows
+    assert fingerprint(back) == fingerprint(batch) != fingerprint(other)
+
+
+@pytest.mark.parametrize(
+    "offsets",
+    [torch.tensor([0, 2, 1, 8]), torch.tensor([0, 3, 4, 9]), torch.tensor([1, 3, 4, 8]), torch.tensor([0.0, 8.0])],
+)
+def test_offsets_that_do_not_split_the_values_are_refused(tmp_path, offsets):
+    from safetensors.torch import save_file
+    from skip_core.encoding import DATA, TENSORS, read
+
+    save_file({"r\x1fjagged_values": torch.arange(8), "r\x1fjagged_offsets": offsets}, str(tmp_path / TENSORS))
+    (tmp_path / DATA).write_text(json.dumps({"non_tensor_batch": {}, "meta_info": {}}))
+
+    with pytest.raises(ValueError, match="batch\\['r'\\]"):
+        read(tmp_path)
+
+
+def test_a_nested_tensor_with_holes_is_refused_naming_it():
+    from skip_core.encoding import storable
+
+    values, offsets = torch.arange(6), torch.tensor([0, 3, 6])
+    holes = torch.nested.nested_tensor_from_jagged(values, offsets, lengths=torch.tensor([2, 3]))
+
+    assert fingerprint(Batch({"r": holes})) is None  # inputs that cannot be stored go unchecked
+    with pytest.raises(EncodingError, match="batch\\['r'\\]"):
+        storable({"r": holes})

@@ -3,16 +3,18 @@ replayed results as verl's type."""
 
 from __future__ import annotations
 
-from skip_core import hookimpl
+import sys
+
+from skip_core import Role, hookimpl
 from skip_core.caching import CACHE_ACTIONS
 
-from skip_plugin_verl.bridge import dataproto_class, to_dataproto
+# The V1 trainer's TransferQueue role (``rollout_tq.py``, imported with verl only: the ``skip``
+# command registers roles and must stay light).
+ROLE = Role(name="rollout_tq")
 
 
 @hookimpl
 def skip_register_roles(register):
-    from skip_plugin_verl.rollout_tq import ROLE
-
     register(ROLE)
 
 
@@ -26,6 +28,10 @@ def skip_register_commands(cli):
 @hookimpl(tryfirst=True)
 def skip_warp(config, store, hit, call):
     """A call of verl's (its prompts are a ``DataProto``) gets a ``DataProto`` back, as its body returns."""
+    if "verl.protocol" not in sys.modules:  # no DataProto anywhere: skip's own trainer
+        return None
+    from skip_plugin_verl.bridge import dataproto_class, to_dataproto
+
     cls = dataproto_class(call.prompts)
     if cls is None or config.action not in CACHE_ACTIONS:
         return None

@@ -35,7 +35,6 @@ from skip_core.store import CacheStore, CacheWarning, CorruptEntry
 
 from skip_plugin_verl.tensordicts import KEY, PROMPT, TAGS, prompt_digests, to_batch, to_tensordict
 
-ROLE = Role(name="rollout_tq")
 PHASES = ("submit", "sample")
 PARTITION = "train"
 # Steps of bookkeeping kept for an overlapped schedule, whose samples trail its submits.

@@ -74,11 +74,13 @@ def _hydra(value: Any) -> str:
 
 
 def start_transfer_queue() -> None:
-    """A local Ray and ``tq.init`` as verl's ``TaskRunnerV1`` calls it."""
+    """A local Ray and ``tq.init`` as verl's ``TaskRunnerV1`` calls it; once per process (each
+    test module asks, the first starts them: about 13 s)."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    if ray.is_initialized():
+        return
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     config = verl_config(Path("/nonexistent")).transfer_queue
     config.enable = True
     tq.init(config)
