@@ -20,6 +20,9 @@ The input fingerprint of a call is over its rows' digests, in any order: a step 
 differ is handled by ``skip.<role>.on_prompt_mismatch``. With ``trainer.v1.<mode>.parameter_sync_step``
 = P each phase runs P times a step; call i (verl's ``local_trigger_step``) is the i-th
 generation of the step's entry.
+
+verl's legacy ``RayPPOTrainer`` (``trainer.use_v1=false``) gets the roles ``old_log_prob``,
+``ref_log_prob`` and ``values`` on its own phase methods (``LEGACY``), through skip's ``annotate``.
 """
 
 from __future__ import annotations
@@ -49,6 +52,13 @@ TOKENS = ("prompts", "responses", "response_mask")
 METRICS, SIZES, RETURNS = "phase_metrics", "input_sizes", "phase_returns"
 WRAPPED = "__skip_phase__"
 _UNSET = object()
+# The legacy trainer (``trainer.use_v1=false``): ``RayPPOTrainer``'s phase methods take the step's
+# padded DataProto and return the phase's output as one, rows in the input's order (old log-probs
+# with its MFU beside it), so skip's own ``annotate`` serves them, fingerprinted over the input.
+# Its ``_compute_reward_colocate`` is not served: validation and REMAX's greedy baseline call it
+# at the same step with nothing that tells those calls from the step's.
+LEGACY = {"_compute_old_log_prob": "old_log_prob", "_compute_ref_log_prob": "ref_log_prob", "_compute_values": "values"}
+MFU = "skip_legacy_mfu"
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,7 @@ def install(step_of: Callable[[], int | None]) -> None:
     _step_of = step_of
     _replayed.clear()
     _told.clear()
+    _install_legacy()
     base = sys.modules.get("verl.trainer.ppo.v1.trainer_base")
     if base is None:  # the legacy trainer, or verl not yet imported: nothing of V1 to wrap
         return
@@ -99,6 +110,45 @@ def install(step_of: Callable[[], int | None]) -> None:
                 if cls is base.PPOTrainer:
                     _originals[name] = method
                 setattr(cls, name, _wrap(name, method, phase))
+
+
+def _install_legacy() -> None:
+    module = sys.modules.get("verl.trainer.ppo.ray_trainer")
+    if module is None:
+        return
+    cls = module.RayPPOTrainer
+    for name, role in LEGACY.items():
+        method = cls.__dict__.get(name)
+        if callable(method) and not getattr(method, WRAPPED, False):
+            setattr(cls, name, _legacy(name, method, role))
+
+
+def _legacy(name: str, method: Callable, role: str) -> Callable:
+    """``method`` served by ``SkipManager.annotate(role)`` for ``RayPPOTrainer`` itself; a subclass
+    that overrides it (the fully-async trainer swaps weights around it, on its own step count)
+    runs it untouched."""
+    returns_mfu = name == "_compute_old_log_prob"
+
+    @SkipManager.annotate(role)
+    def served(self: Any, batch: Any) -> Any:  # ``self``: where skip looks for the prompts after
+        if not returns_mfu:
+            return method(self, batch)
+        output, mfu = method(self, batch)
+        output.meta_info[MFU] = mfu
+        return output
+
+    @functools.wraps(method)
+    def wrapper(trainer: Any, batch: Any) -> Any:
+        if getattr(type(trainer), name) is not wrapper:
+            return method(trainer, batch)
+        output = served(trainer, batch)
+        # A copy for verl, which pops fields from what it gets while the dump may still be writing it.
+        meta = {k: v for k, v in output.meta_info.items() if k != MFU}
+        copy = type(output)(batch=output.batch.copy(), non_tensor_batch=dict(output.non_tensor_batch), meta_info=meta)
+        return (copy, output.meta_info.get(MFU)) if returns_mfu else copy
+
+    setattr(wrapper, WRAPPED, True)
+    return wrapper
 
 
 def _wrap(name: str, method: Callable, phase: Phase) -> Callable:
