@@ -19,8 +19,6 @@ expects is left as verl wrote it, with one warning.
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import itertools
 import re
 import sys
@@ -32,6 +30,8 @@ from typing import Any
 from uuid import uuid4
 
 from skip_core import spans
+
+from skip_plugin_verl import patching
 
 KEY = "skip.profiling"
 DISTRIBUTION = "skip-plugin-profiling"
@@ -125,10 +125,10 @@ def start_driver(settings: Any, manager: type) -> None:
     _manager = manager
     for name, trainer in _TRAINERS.items():
         module = sys.modules.get(name)
-        if module is not None and not _initializing(module):
-            _patch(module, None, {"marked_timer": _phase})
+        if module is not None and not patching.initializing(module):
+            patching.patch(module, None, {"marked_timer": _phase})
             if trainer is not None:
-                _patch(module, trainer, {"_validate": _validate})
+                patching.patch(module, trainer, {"_validate": _validate})
 
 
 # -- one request ---------------------------------------------------------------------------
@@ -354,7 +354,7 @@ def _validate(original: Callable, self, *args, **kwargs) -> Any:
 
 _AGENT_LOOP_MODULE = "verl.experimental.agent_loop.agent_loop"
 # (module, class, {method: hook}): the agent loop's side, patched in every process as it loads.
-_pending = [
+_GROUPS = [
     ("verl.workers.rollout.llm_server", "LLMServerClient", {"generate": _generate}),
     ("verl.workers.rollout.llm_server", "FullyAsyncLLMServerClient", {"generate": _attempts}),
     (_AGENT_LOOP_MODULE, "AgentLoopBase", {"ct_build_initial_tokens": _preprocess}),
@@ -373,98 +373,6 @@ _pending = [
 ]
 
 
-def _patch(module: Any, owner_name: str | None, hooks: Mapping[str, Callable]) -> bool:
-    """Replace the named functions of ``module`` (or of its class ``owner_name``) by their hooks, all or none."""
-    owner = module if owner_name is None else getattr(module, owner_name, None)
-    where = module.__name__ + ("" if owner_name is None else f".{owner_name}")
-    found = {name: vars(owner).get(name) for name in hooks} if owner is not None else {}
-    if found and all(getattr(fn, "__skip_profiling__", False) for fn in found.values()):
-        return True  # patched already (a second init)
-    for name, hook in hooks.items():
-        fn = found.get(name)
-        # A hook keeps the kind of what it replaces: verl and Ray tell coroutine functions apart.
-        if not inspect.isfunction(fn) or inspect.iscoroutinefunction(hook) != inspect.iscoroutinefunction(fn):
-            _warn_once(
-                f"{DISTRIBUTION}: verl's {where}.{name} is not what skip's profiling instruments; "
-                f"{where} is left as verl wrote it and its spans are missing"
-            )
-            return False
-    for name, hook in hooks.items():
-        setattr(owner, name, _bind(hook, found[name]))
-    return True
-
-
-def _bind(hook: Callable, original: Callable) -> Callable:
-    """``hook`` with ``original`` bound first, looking like ``original`` (name, signature, kind)."""
-    if inspect.iscoroutinefunction(original):
-
-        async def wrapper(*args, **kwargs):
-            return await hook(original, *args, **kwargs)
-    else:
-
-        def wrapper(*args, **kwargs):
-            return hook(original, *args, **kwargs)
-
-    functools.update_wrapper(wrapper, original)
-    wrapper.__skip_profiling__ = True
-    return wrapper
-
-
-def _initializing(module: Any) -> bool:
-    """Whether ``module``'s code is still running (importlib marks its spec meanwhile)."""
-    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
-
-
-def _patch_ready(loaded: str | None = None) -> None:
-    """Patch each pending class whose module has run to its end (``loaded`` just has)."""
-    for group in list(_pending):
-        module = sys.modules.get(group[0])
-        if module is not None and (group[0] == loaded or not _initializing(module)):
-            _pending.remove(group)
-            _patch(module, group[1], group[2])
-    if not _pending:
-        sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, _AfterImport)]
-
-
-class _AfterImport:
-    """A ``sys.meta_path`` finder for the pending modules only: the spec the other finders give,
-    its loader wrapped to patch once the module has run (``startup.py`` does so for the bridge)."""
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if not any(group[0] == fullname for group in _pending):
-            return None
-        for finder in sys.meta_path:
-            spec = None if finder is self else getattr(finder, "find_spec", lambda *_: None)(fullname, path, target)
-            if spec is not None:
-                spec.loader = spec.loader and _Patching(spec.loader)
-                return spec
-        return None
-
-
-class _Patching:
-    """The module's own loader, then ``_patch_ready``."""
-
-    def __init__(self, loader: Any) -> None:
-        self._loader = loader
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "_loader":  # not set yet (a copy): no recursion
-            raise AttributeError(name)
-        return getattr(self._loader, name)
-
-    def create_module(self, spec: Any) -> Any:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self._loader.exec_module(module)
-        try:
-            _patch_ready(module.__name__)
-        except Exception as exc:  # profiling must leave verl importable
-            _warn_once(f"{DISTRIBUTION}: instrumenting {module.__name__} failed ({exc!r}); it runs as verl wrote it")
-
-
 def install() -> None:
     """Instrument verl's agent loop: what has loaded now, the rest as it loads (``bridge.install``)."""
-    _patch_ready()
-    if _pending and not any(isinstance(finder, _AfterImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport())
+    patching.install(_GROUPS, lambda message: _warn_once(f"{DISTRIBUTION}: {message}; its spans are missing"))

@@ -490,7 +490,7 @@ def test_a_verl_method_not_as_expected_is_left_as_verl_wrote_it_with_one_warning
     """What ``install`` does to each class it instruments, here to one verl could become: a
     method that is no longer a coroutine function, one that is gone. All of the class's
     methods stay verl's, and it is said once."""
-    from skip_plugin_verl import profiling
+    from skip_plugin_verl import patching, profiling
 
     class ToolAgentLoop:
         async def _handle_generating_state(self, agent_data):
@@ -504,15 +504,15 @@ def test_a_verl_method_not_as_expected_is_left_as_verl_wrote_it_with_one_warning
     before = dict(vars(ToolAgentLoop))
     hooks = {"_handle_generating_state": profiling._turn_start, "_handle_processing_tools_state": profiling._turn_end}
     with pytest.warns(profiling.VerlProfilingWarning) as said:
-        assert not profiling._patch(module, "ToolAgentLoop", hooks)
-        assert not profiling._patch(module, "ToolAgentLoop", hooks)
-        assert not profiling._patch(module, "Gone", {"_call_tool": profiling._tool_call})
+        assert not patching.patch(module, "ToolAgentLoop", hooks)
+        assert not patching.patch(module, "ToolAgentLoop", hooks)
+        assert not patching.patch(module, "Gone", {"_call_tool": profiling._tool_call})
     assert dict(vars(ToolAgentLoop)) == before
     assert [str(w.message) for w in said] == [
         "skip-plugin-profiling: verl's verl_to_come.ToolAgentLoop._handle_processing_tools_state is not what "
-        "skip's profiling instruments; verl_to_come.ToolAgentLoop is left as verl wrote it and its spans are missing",
-        "skip-plugin-profiling: verl's verl_to_come.Gone._call_tool is not what skip's profiling instruments; "
-        "verl_to_come.Gone is left as verl wrote it and its spans are missing",
+        "skip instruments; verl_to_come.ToolAgentLoop is left as verl wrote it; its spans are missing",
+        "skip-plugin-profiling: verl's verl_to_come.Gone._call_tool is not what skip instruments; "
+        "verl_to_come.Gone is left as verl wrote it; its spans are missing",
     ]
 
 
