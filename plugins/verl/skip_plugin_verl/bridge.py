@@ -2,19 +2,19 @@
 
 verl's trainers call ``SkipManager.init(config)``, ``set_step(step)`` and decorate with
 ``@SkipManager.annotate(role=...)`` (``RayPPOTrainer.fit``, ``AgentLoopManager.generate_sequences``,
-the fully-async ``Rollouter`` and its ``generate_sequences_single``). ``install`` replaces those
-three class methods, on the class every verl module imports, by skip's: the roles are the
-installed skip roles, ``skip.<role>`` is validated by skip, and results go to skip's verified
-store. A replayed result comes back as a verl ``DataProto`` (``plugin.skip_warp``).
+the fully-async ``Rollouter`` and its ``generate_sequences_single``) and, in the V1 trainer,
+``@SkipManager.annotate_tq(role, phase)``. ``install`` replaces those four class methods, on the
+class every verl module imports, by skip's: the roles are the installed skip roles,
+``skip.<role>`` is validated by skip, and results go to skip's verified store. A replayed result
+comes back as a verl ``DataProto`` (``plugin.skip_warp``); ``annotate_tq`` serves skip's role
+``rollout_tq`` (module ``rollout_tq``), and ``init`` wraps the trainers' reward, old log-prob,
+reference log-prob and value phases for skip's roles of those names (module ``phases``).
+``skip.profiling`` is no role: ``init`` hands it to ``profiling``, which puts skip's spans into
+verl's trainer and agent loop (``install`` instruments them as they load).
 
-``annotate_tq(role, phase)``, the V1 trainer's TransferQueue decorator, is served the same way
-for skip's role ``rollout_tq`` (module ``rollout_tq``), and ``init`` wraps the V1 trainer's reward,
-old log-prob, reference log-prob and value phases for skip's roles of those names (module
-``phases``). What stays verl's: a role registered with verl's
-``register_skip`` that no skip plugin provides, served by verl's own code with a warning; and
-the whole manager on a verl version not in ``TESTED``, or with ``SKIP_PLUGINS`` leaving this
-distribution out. ``skip.profiling`` is no role: ``init`` hands it to ``profiling``, which puts
-skip's spans into verl's trainer and agent loop (``install`` instruments them as they load).
+What stays verl's: a role registered with verl's ``register_skip`` that no skip plugin provides,
+served by verl's own code with a warning; and the whole manager on a verl version not in
+``TESTED``, or with ``SKIP_PLUGINS`` leaving this distribution out.
 """
 
 from __future__ import annotations
