@@ -20,13 +20,14 @@ served by verl's own code with a warning; and the whole manager on a verl versio
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import warnings
 from collections.abc import Iterator, Mapping
 from types import ModuleType
 from typing import Any
 
-from skip_plugin_verl import phases, profiling, rollout_tq
+from skip_plugin_verl import phases, profiling, rollout_tq, served
 
 DISTRIBUTION = "skip-plugin-verl"
 TESTED = ("0.9.1",)
@@ -78,6 +79,7 @@ def _init(cls: type, config: Any) -> None:
     SkipManager.set_step(-1)
     cls.step = -1
     rollout_tq.reset(config)
+    served.reset()
     phases.install(lambda: cls.step)
     cls.skip_instances = _verl_instances(verl_only, config)
     _retire_legacy_rollout_skip(config)
@@ -88,14 +90,33 @@ def _init(cls: type, config: Any) -> None:
 def _set_step(cls: type, step: int) -> None:
     from skip_core import SkipManager
 
+    served.check(step)
     SkipManager.set_step(step)
     cls.step = step
 
 
 def _annotate(cls: type, role: str, **kwargs: Any):
+    """skip's ``annotate``, each call marking its role as one verl's trainer reaches (``served``)."""
     from skip_core import SkipManager
 
-    return SkipManager.annotate(role, **kwargs)
+    decorate = SkipManager.annotate(role, **kwargs)
+
+    def marking(fn: Any) -> Any:
+        inner = decorate(fn)
+        if inspect.iscoroutinefunction(fn):
+
+            async def call(*args: Any, **kw: Any) -> Any:
+                served.reached(role)
+                return await inner(*args, **kw)
+        else:
+
+            def call(*args: Any, **kw: Any) -> Any:
+                served.reached(role)
+                return inner(*args, **kw)
+
+        return functools.wraps(fn)(call)
+
+    return marking
 
 
 def _annotate_tq(verl_annotate_tq: Any, cls: type, role: str, phase: str):

@@ -23,13 +23,13 @@ fingerprint: the imported entries replay onto whatever prompts a step draws, as 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from skip_core import reading
 from skip_core.config import Namespace
 from skip_core.store import CacheStore
 
@@ -107,14 +107,11 @@ def _verl_meta(step_dir: Path) -> dict:
     """verl's ``meta.json`` of a step (size-bounded); verl writes it last, so a step without one is incomplete."""
     path = step_dir / VERL_META
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_VERL_META_BYTES + 1)
+        meta = reading.read_json(path, MAX_VERL_META_BYTES)  # a regular file, bounded in size and nesting
     except FileNotFoundError:
         raise VerlDumpError(f"incomplete verl dump: {path} is missing (verl skips such a step too)") from None
-    try:
-        meta = json.loads(raw) if len(raw) <= MAX_VERL_META_BYTES else None
-    except ValueError:
-        meta = None
+    except reading.UnsafeFile as exc:  # a pipe, a link, too large, too deep, not JSON
+        raise VerlDumpError(f"{path} is not verl's meta.json ({exc})") from None
     if not isinstance(meta, dict):
         raise VerlDumpError(f"{path} is not verl's meta.json")
     return meta

@@ -42,6 +42,7 @@ from skip_core.plugins import pm
 from skip_core.roles import Call
 from skip_core.store import CacheStore, CacheWarning, CorruptEntry
 
+from skip_plugin_verl import served
 from skip_plugin_verl.tensordicts import PROMPT, prompt_digests, to_batch, to_tensordict
 
 PARTITION = "train"  # validation (partition "val") is never served from the cache
@@ -130,7 +131,7 @@ def _legacy(name: str, method: Callable, role: str) -> Callable:
     returns_mfu = name == "_compute_old_log_prob"
 
     @SkipManager.annotate(role)
-    def served(self: Any, batch: Any) -> Any:  # ``self``: where skip looks for the prompts after
+    def cached(self: Any, batch: Any) -> Any:  # ``self``: where skip looks for the prompts after
         if not returns_mfu:
             return method(self, batch)
         output, mfu = method(self, batch)
@@ -141,7 +142,8 @@ def _legacy(name: str, method: Callable, role: str) -> Callable:
     def wrapper(trainer: Any, batch: Any) -> Any:
         if getattr(type(trainer), name) is not wrapper:
             return method(trainer, batch)
-        output = served(trainer, batch)
+        served.reached(role)
+        output = cached(trainer, batch)
         # A copy for verl, which pops fields from what it gets while the dump may still be writing it.
         meta = {k: v for k, v in output.meta_info.items() if k != MFU}
         copy = type(output)(batch=output.batch.copy(), non_tensor_batch=dict(output.non_tensor_batch), meta_info=meta)
@@ -155,6 +157,7 @@ def _wrap(name: str, method: Callable, phase: Phase) -> Callable:
     @functools.wraps(method)
     def wrapper(trainer: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
         active, step = SkipManager.active(phase.role), _step_of()
+        served.reached(phase.role)
         inside = getattr(_inside, "roles", set())
         if (
             active is None

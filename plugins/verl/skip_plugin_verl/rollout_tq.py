@@ -33,6 +33,7 @@ from skip_core.plugins import pm
 from skip_core.roles import Call
 from skip_core.store import CacheStore, CacheWarning, CorruptEntry
 
+from skip_plugin_verl import served
 from skip_plugin_verl.tensordicts import KEY, PROMPT, TAGS, prompt_digests, to_batch, to_tensordict
 
 PHASES = ("submit", "sample")
@@ -83,6 +84,8 @@ def annotate_tq(role: str, phase: str, step_of: Callable[[], int]) -> Callable:
         @functools.wraps(fn)
         def wrapper(owner, *args, **kwargs):
             active, step = SkipManager.active(role), step_of()
+            if active is not None:
+                served.reached(role)
             if active is None or step not in active[1].steps:
                 return fn(owner, *args, **kwargs)
             if phase == "submit":

@@ -14,7 +14,7 @@ import sys
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, BinaryIO, ClassVar
 
 import torch
 
@@ -209,11 +209,13 @@ def _stored_info(archive: zipfile.ZipFile, name: str, where: str) -> zipfile.Zip
     return info
 
 
-def load_torch_archive(raw: bytes, where: str) -> Any:
-    """What ``torch.load`` would return for ``raw``, through ``_TorchZipUnpickler`` only."""
-    if not zipfile.is_zipfile(io.BytesIO(raw)):
+def load_torch_archive(source: bytes | BinaryIO, where: str, unpickler: type | None = None) -> Any:
+    """What ``torch.load`` would return for ``source`` (the bytes, or an open file, of a
+    ``torch.save`` archive), through ``unpickler`` only (a ``_TorchZipUnpickler``, by default this one)."""
+    source = io.BytesIO(source) if isinstance(source, bytes) else source
+    if not zipfile.is_zipfile(source):
         raise VerlDumpError(f"{where} is not a torch zip archive (legacy torch.save formats are not supported)")
-    with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+    with zipfile.ZipFile(source) as archive:
         pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
         if len(pickles) != 1:
             raise VerlDumpError(f"{where} is not a torch.save archive (data.pkl records: {pickles})")
@@ -222,4 +224,4 @@ def load_torch_archive(raw: bytes, where: str) -> Any:
             order = archive.read(_stored_info(archive, f"{prefix}/byteorder", where)).decode("ascii", "replace")
             if order != sys.byteorder:
                 raise VerlDumpError(f"{where} was written on a {order}-endian machine")
-        return _TorchZipUnpickler(archive, prefix, where).load()
+        return (unpickler or _TorchZipUnpickler)(archive, prefix, where).load()

@@ -16,17 +16,16 @@ Anything else in the file is refused, naming the global.
 from __future__ import annotations
 
 import os
-import zipfile
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from skip_core import reading
 from skip_core.batch import Batch
 
 from skip_plugin_verl.restricted_pickle import Sealed, UnsafePickleError, VerlDumpError, numpy_globals, sealed
 from skip_plugin_verl.tensordicts import PROMPT, to_batch
-from skip_plugin_verl.torch_archive import TensorDictData, _stored_info, _TensorDictClass, _TorchZipUnpickler
+from skip_plugin_verl.torch_archive import TensorDictData, _TensorDictClass, _TorchZipUnpickler, load_torch_archive
 
 TQ_DUMP = "tq_batch.pt"
 
@@ -134,17 +133,10 @@ class _TqUnpickler(_TorchZipUnpickler):
 def read_tq_batch(path: str | os.PathLike) -> tuple[Batch, int]:
     """One ``tq_batch.pt`` as a skip ``Batch`` of trajectories (keys and tags as columns, the
     prompt of each row unknown) and the step verl recorded; ``VerlDumpError`` /
-    ``UnsafePickleError`` naming what is not verl's format."""
-    path = Path(path)
+    ``UnsafePickleError`` / ``UnsafeFile`` naming what is not verl's format."""
     where = str(path)
-    if not zipfile.is_zipfile(path):
-        raise VerlDumpError(f"{where} is not a torch zip archive")
-    with zipfile.ZipFile(path) as archive:
-        pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
-        if len(pickles) != 1:
-            raise VerlDumpError(f"{where} is not a torch.save archive (data.pkl records: {pickles})")
-        _stored_info(archive, pickles[0], where)
-        payload = _TqUnpickler(archive, pickles[0].removesuffix("/data.pkl"), where).load()
+    with reading.opened(path) as fd, os.fdopen(os.dup(fd), "rb") as f:  # a regular file, not a link or pipe
+        payload = load_torch_archive(f, where, _TqUnpickler)
     if not isinstance(payload, dict) or not {"tensordict", "tags", "keys"} <= set(payload):
         raise VerlDumpError(f"{where} is not verl's rollout_tq dump (tensordict, tags, keys)")
     data, keys, tags = payload["tensordict"], payload["keys"], payload["tags"]

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from skip_core import reading
 from skip_core.batch import Batch
 
 from skip_plugin_verl.restricted_pickle import (
@@ -100,7 +101,7 @@ def _decode_batch(state: Any, where: str) -> TensorDictData | None:
 def read_gen_batch(path: str | os.PathLike) -> Batch:
     """Decode one verl ``gen_batch.dp`` into a ``Batch`` without running code from it."""
     path = Path(path)
-    with open(path, "rb") as f:
+    with reading.opened(path) as fd, os.fdopen(os.dup(fd), "rb") as f:  # a regular file, not a link or pipe
         proto = _OuterUnpickler(f, str(path)).load()
     if not isinstance(proto, _DataProtoState):
         raise VerlDumpError(f"holds a {type(proto).__name__}, not a verl DataProto")

@@ -175,6 +175,22 @@ def test_a_transfer_queue_dump_that_is_no_torch_archive_is_reported(tmp_path):
     assert f"error: {tq / 'tq_batch.pt'}: " in output and "is not a torch zip archive" in output
 
 
+def test_pipes_named_like_dumps_are_reported_and_never_waited_on(tmp_path):
+    import os
+
+    src = tmp_path / "src"
+    shutil.copytree(DEFAULT_DUMP, src)
+    tq = step_dir(src, 1) / "0"
+    tq.mkdir()
+    os.mkfifo(tq / "tq_batch.pt")  # no writer: a plain open() would wait forever
+    (tq / "meta.json").write_text(json.dumps({"global_steps": 1}))
+    (step_dir(src, 2) / "gen_batch.dp").unlink()
+    os.mkfifo(step_dir(src, 2) / "gen_batch.dp")
+    written, output = collect(src, tmp_path / "dst")
+    assert [p.name for p in written] == ["1"]
+    assert output.count("is not a regular file (a named pipe)") == 2
+
+
 # -- verl's directory names -----------------------------------------------------------------
 
 

@@ -215,3 +215,22 @@ def test_a_stored_trajectory_batch_comes_back_field_for_field(tmp_path):
     back = to_tensordict(store.load(store.entry(1)), [0, 1, 2])
 
     assert_tensordict_eq(back, data)
+
+
+def test_a_role_the_v1_trainer_never_calls_is_said_once(tmp_path):
+    """``skip.rollout`` (the legacy trainer's) on verl's V1 trainer: accepted by verl's schema, never reached."""
+    from omegaconf import open_dict
+
+    config = v1.verl_config(tmp_path, steps=(1,), total=3)
+    with open_dict(config):
+        config.skip.rollout.update(enable=True, dump_dir=str(tmp_path), steps=[1, 2])
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        v1.fit(config, v1.prompts(0))
+
+    told = [str(w.message) for w in said if "without calling what this role serves" in str(w.message)]
+    assert told == [
+        "skip.rollout: verl's trainer ended step 1 without calling what this role serves, so nothing is cached "
+        "or replayed for it (verl's V1 trainer (trainer.use_v1=true, its default) caches rollouts with skip.rollout_tq)"
+    ]
