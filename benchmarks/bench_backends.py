@@ -37,7 +37,7 @@ from skip_core.sections import Sections
 from skip_plugin_arithmetic.task import ArithmeticOptions, ArithmeticTask, problems, prompt
 from skip_plugin_hf.config import HFConfig
 from skip_plugin_trainer.rollout.agent_loop import AgentLoop
-from skip_plugin_trainer.settings import LoopConfig
+from skip_plugin_trainer.run_sections import LoopConfig
 from skip_plugin_vllm.options import VLLMOptions
 from transformers import AutoTokenizer
 

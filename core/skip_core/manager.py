@@ -29,22 +29,13 @@ from typing import Any, TypeVar
 
 from skip_core import spans
 from skip_core.caching import SetupMismatchWarning
-from skip_core.config import (
-    ConfigError,
-    Namespace,
-    RoleConfig,
-    StepSet,
-    install_hint,
-    is_hydra_marker,
-    parse_section,
-    select,
-    to_container,
-)
+from skip_core.config import ConfigError, Namespace, RoleConfig, StepSet, select
 from skip_core.errors import SkipError
 from skip_core.layout import Layout
 from skip_core.plugins import pm, registry
 from skip_core.provenance import Setup
 from skip_core.roles import Call, Role, prompts_of, prompts_position
+from skip_core.sections import parse_roles
 from skip_core.store import CacheStore, CacheWarning, CorruptEntry, PendingWrite
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -234,8 +225,25 @@ class SkipManager:
 
     @classmethod
     def init(cls, config: Any) -> None:
-        """Validate ``config.skip`` and activate the enabled roles; bad config raises ``ConfigError``."""
-        active = _parse(config)
+        """verl's entry point: validate ``config.skip`` and activate the enabled roles, with the
+        cache namespace and setup read from verl's keys; bad config raises ``ConfigError``."""
+        if config is None or not (isinstance(config, Mapping) or hasattr(config, "get")):
+            raise ConfigError(
+                f"SkipManager.init: expected a run config (DictConfig or dict), got {type(config).__name__}"
+            )
+        roles = parse_roles(select(config, "skip"), strict=False)
+        cls.activate(roles, Namespace.from_config(config), Setup.from_config(config))
+
+    @classmethod
+    def activate(cls, roles: Mapping[str, RoleConfig], namespace: Namespace, setup: Setup) -> None:
+        """Activate the enabled roles of ``roles`` (``skip.<role>`` already validated, by
+        ``parse_roles`` or a trainer's own validation pass), caching under ``namespace``."""
+        installed = registry().roles
+        active = {
+            name: (installed[name], config, _open_store(name, config, namespace, setup))
+            for name, config in roles.items()
+            if config.enable
+        }
         for slot in _slots.values():
             slot.deactivate()
         for name, (role, role_config, store) in active.items():
@@ -368,40 +376,6 @@ def _async_wrapper(slot: _Slot, fn: Callable, how: tuple) -> Callable:
         return result
 
     return wrapper
-
-
-def _parse(config: Any) -> dict[str, tuple[Role, RoleConfig, CacheStore]]:
-    if config is None or not (isinstance(config, Mapping) or hasattr(config, "get")):
-        raise ConfigError(f"SkipManager.init: expected a run config (DictConfig or dict), got {type(config).__name__}")
-    section = to_container(select(config, "skip")) or {}
-    if not isinstance(section, Mapping):
-        raise ConfigError(f"skip: expected a mapping of role sections, got {section!r}")
-    roles = registry().roles
-    namespace = Namespace.from_config(config)
-    setup = Setup(config)
-    active = {}
-    for name, raw in section.items():
-        if is_hydra_marker(name):
-            continue
-        role = roles.get(name)
-        if role is None:
-            _require_installed(name, raw, roles)
-            continue
-        role_config = parse_section(role.config, f"skip.{name}", raw)
-        if role_config.enable:
-            active[name] = (role, role_config, _open_store(name, role_config, namespace, setup))
-    return active
-
-
-def _require_installed(name: str, raw: Any, roles: Mapping[str, Role]) -> None:
-    enabled = isinstance(raw, Mapping) and str(raw.get("enable", False)).lower() in ("true", "1", "yes", "on")
-    if not enabled:
-        return
-    hint = install_hint("role", name)
-    if hint:
-        raise ConfigError(f"skip.{name}.enable is true but role {name!r} is not installed: {hint}")
-    installed = ", ".join(sorted(roles)) or "none"
-    raise ConfigError(f"skip.{name}: no installed plugin provides role {name!r} (installed roles: {installed})")
 
 
 def _open_store(name: str, config: RoleConfig, namespace: Namespace, setup: Setup) -> CacheStore:

@@ -3,8 +3,8 @@
 An entry replays exactly only under the setup that generated it. A cache made at
 ``temperature=1.0`` and replayed at 0.3, or made with another model, would otherwise load with no
 word, its only trace a ``training/rollout_probs_diff_mean`` far above a faithful replay's.
-``Setup`` reads the setup from verl's config keys, which skip's own trainer config mirrors under
-``actor_rollout_ref``; every entry records it (``setup`` in ``meta.json``) and a lookup compares
+``Setup`` reads the setup from verl's config keys (``Setup.from_config``) or from the sections a
+trainer validated; every entry records it (``setup`` in ``meta.json``) and a lookup compares
 it under ``skip.<role>.on_setup_mismatch``.
 
 The model is named by a digest of its config and of its weight files' index (names, sizes,
@@ -43,12 +43,25 @@ class Setup:
     """The setup a run generates under, read from its config; the files behind it (model, chat
     template, tools) are read on first use, when a task may have built them meanwhile."""
 
-    def __init__(self, config: Any) -> None:
-        rollout, model = _section(config, ROLLOUT), _section(config, MODEL)
+    def __init__(self, rollout: Any, model: Any) -> None:
+        """``rollout`` and ``model``: the two sections as plain mappings, by verl's key names or
+        skip's (``backend`` or ``name``, ``tools_config`` or ``tool_config_path``)."""
         self._rollout = rollout if isinstance(rollout, dict) else {}
         self._model = model if isinstance(model, dict) else {}
         self._told: set[tuple] = set()
         self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy in another process needs: the sections, not the lock or what was told here."""
+        return {"_rollout": self._rollout, "_model": self._model}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["_rollout"], state["_model"])
+
+    @classmethod
+    def from_config(cls, config: Any) -> Setup:
+        """The setup of a verl run config (``actor_rollout_ref.rollout``, ``actor_rollout_ref.model``)."""
+        return cls(_section(config, ROLLOUT), _section(config, MODEL))
 
     def first(self, *key: Any) -> bool:
         """Whether ``key`` is new to this run (a warning given once per run and difference)."""

@@ -9,7 +9,8 @@ so the keys a command-line override may name and the keys a model accepts are on
 
 A section may sit inside another (``rollout.hf`` inside the trainer's ``rollout``): each model
 sees only its own keys, and a mapping between them (``rollout.engine_kwargs``) may hold only
-declared sections.
+declared sections. ``parse_roles`` validates the ``skip`` section, one ``skip.<role>`` per
+installed role.
 """
 
 from __future__ import annotations
@@ -19,7 +20,17 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from skip_core.config import SHIPPED, ConfigError, install_hint, parse_section, select, to_container, unknown_key
+from skip_core.config import (
+    SHIPPED,
+    ConfigError,
+    RoleConfig,
+    install_hint,
+    is_hydra_marker,
+    parse_section,
+    select,
+    to_container,
+    unknown_key,
+)
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -95,3 +106,31 @@ def _check_not_installed(config: Any, missing: set[str]) -> None:
             raise ConfigError(
                 f"{key}.enable is true but no installed plugin declares {key}: {install_hint('section', key)}"
             )
+
+
+def parse_roles(section: Any, installed: Mapping[str, Any] | None = None, strict: bool = True) -> dict[str, RoleConfig]:
+    """The ``skip`` section validated: every installed role's ``skip.<role>`` (its defaults where
+    absent). A role that is not installed is an error when enabled, saying what to install; a
+    disabled one may stand there if this repository ships it (verl's own config lists some) or,
+    not ``strict`` (verl's ``SkipManager.init``: a verl of its own may add roles), whatever it is."""
+    if installed is None:
+        from skip_core.plugins import registry
+
+        installed = registry().roles
+    raw = to_container(section) or {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"skip: expected a mapping of role sections, got {raw!r}")
+    for name, value in raw.items():
+        if not is_hydra_marker(name) and name not in installed:
+            _require_installed(str(name), value, installed, strict)
+    return {name: parse_section(role.config, f"skip.{name}", raw.get(name)) for name, role in installed.items()}
+
+
+def _require_installed(name: str, raw: Any, installed: Mapping[str, Any], strict: bool) -> None:
+    hint = install_hint("role", name)
+    enabled = isinstance(raw, Mapping) and str(raw.get("enable", False)).lower() in ("true", "1", "yes", "on")
+    if hint and enabled:
+        raise ConfigError(f"skip.{name}.enable is true but role {name!r} is not installed: {hint}")
+    if not hint and (enabled or strict):
+        have = ", ".join(sorted(installed)) or "none"
+        raise ConfigError(f"skip.{name}: no installed plugin provides role {name!r} (installed roles: {have})")

@@ -396,6 +396,6 @@ def test_a_setup_whose_files_cannot_be_read_is_named_never_raised(tmp_path):
     model.mkdir()
     (model / "tokenizer_config.json").write_text("[" * 100_000 + "]" * 100_000)
     turns = {"tools_config": "pkg://not_an_installed_package/tools.yaml"}
-    values = Setup({"actor_rollout_ref": {"model": {"path": str(model)}, "rollout": {"multi_turn": turns}}}).values
+    values = Setup({"multi_turn": turns}, {"path": str(model)}).values
     assert values["model.chat_template"] is None
     assert values["rollout.multi_turn.tools_config"] == "path:pkg://not_an_installed_package/tools.yaml"

@@ -130,7 +130,30 @@ def test_without_bypass_old_log_probs_are_recomputed_and_importance_weighted(ray
             <= row["rollout_corr/rollout_is_mean"]
             <= row["rollout_corr/rollout_is_max"]
         )
-        assert 0 <= row["rollout_corr/rollout_is_truncated_frac"] <= 1
+        assert 0 <= row["rollout_corr/rollout_is_ratio_fraction_high"] <= 1
+        assert row["rollout_corr/chi2_token"] >= -1e-6
+
+
+def test_bypass_reinforce_weighs_and_rejects_in_the_policys_loss(ray_session, task_dir, tmp_path):
+    """verl's rollout_correction example (REINFORCE in bypass mode) plus rejection: no old
+    log-probs are recomputed; the policy's loss weighs and rejects by its own ratio to the
+    rollout's log-probs, so the actor reports ``rollout_corr/*``."""
+    train(
+        task_dir,
+        tmp_path,
+        *ONE_STEP_OFF,
+        "algorithm.rollout_correction.bypass_mode=true",  # null turns it off where rollout_is is set
+        "algorithm.rollout_correction.loss_type=reinforce",
+        "algorithm.rollout_correction.rollout_is=sequence",
+        "algorithm.rollout_correction.rollout_is_batch_normalize=true",
+        "algorithm.rollout_correction.rollout_rs=token_k3",
+        "algorithm.rollout_correction.rollout_rs_threshold=0.5",
+    )
+    for row in metrics(tmp_path / "run"):
+        assert "timing_s/old_log_prob" not in row and "actor/pg_clipfrac" not in row
+        assert row["rollout_corr/rollout_is_batch_norm_factor"] > 0
+        assert 0 <= row["rollout_corr/rollout_rs_masked_fraction"] <= 1
+        assert row["rollout_corr/k3_kl"] >= 0 and "rollout_corr/rollout_is_eff_sample_size" in row
 
 
 @pytest.mark.parametrize(

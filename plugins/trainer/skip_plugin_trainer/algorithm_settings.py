@@ -5,9 +5,18 @@ cross-checks them; like it, this module imports nothing else of the trainer.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    model_validator,
+)
 
 KlType = Literal["kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3"]
 
@@ -25,19 +34,59 @@ class OverlongBuffer(_Section):
     penalty_factor: NonNegativeFloat = 1.0
 
 
+class CustomRewardFunction(_Section):
+    """``reward.custom_reward_function``, verl's: the function ``name`` of the Python file ``path``,
+    with verl's ``compute_score(data_source, solution_str, ground_truth, extra_info)`` signature,
+    returning a score or a dict holding one under ``score``. It is the user's own code, run
+    because they named it; it replaces ``reward.function``."""
+
+    path: str | None = None
+    name: str = "compute_score"
+
+
 class RewardConfig(_Section):
     """``reward``: which function scores responses; ``tool_rewards`` adds the tools' own rewards."""
 
     function: str = "task"
+    custom_reward_function: CustomRewardFunction = CustomRewardFunction()
     tool_rewards: bool = True
     overlong_buffer: OverlongBuffer = OverlongBuffer()
 
 
 class Optim(_Section):
+    """``actor.optim`` / ``critic.optim``: AdamW, and verl's learning-rate schedule, which moves
+    once per update (one training step).
+
+    ``lr_warmup_steps``: updates of linear warm-up from lr 0; -1 or 0 take ``lr_warmup_steps_ratio``.
+    ``lr_warmup_steps_ratio``: the warm-up as a fraction of the run's training steps, rounded down.
+    ``lr_scheduler_type``: after the warm-up, ``constant`` lr or a ``cosine`` decay until the last step.
+    ``warmup_style``: verl's deprecated name of ``lr_scheduler_type``; given, it replaces it.
+    ``min_lr_ratio``: the floor of the cosine decay, as a fraction of ``lr``.
+    ``num_cycles``: cosine waves over the decay; 0.5 is one half-wave from ``lr`` down to the floor.
+    """
+
     lr: PositiveFloat = 1e-5
     weight_decay: NonNegativeFloat = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: PositiveFloat = 1e-8
+    lr_warmup_steps: int = Field(-1, ge=-1)
+    lr_warmup_steps_ratio: float = Field(0.0, ge=0, le=1)
+    lr_scheduler_type: Literal["constant", "cosine"] = "constant"
+    warmup_style: Literal["constant", "cosine"] | None = None
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    num_cycles: float = 0.5
+
+    @model_validator(mode="before")
+    @classmethod
+    def _verl_defaults(cls, values: Any) -> Any:
+        """As verl's optimizer config: a null ``min_lr_ratio`` or ``lr_warmup_steps`` is the default,
+        and a valid ``warmup_style`` wins over ``lr_scheduler_type``."""
+        if not isinstance(values, dict):
+            return values
+        values = {k: v for k, v in values.items() if v is not None or k not in ("min_lr_ratio", "lr_warmup_steps")}
+        if values.get("warmup_style") in ("constant", "cosine"):
+            values["lr_scheduler_type"] = values["warmup_style"]
+        return values
 
 
 class ActorConfig(_Section):
@@ -85,12 +134,103 @@ class RolloutCorrection(_Section):
     ``bypass_mode``: use the rollout log-probs as PPO's old log-probs (no recomputation); null
     means on for overlapped schedules, off for ``sync``. Off, old log-probs are recomputed and
     ``rollout_is`` (``token`` or ``sequence``) weights each token's loss by the importance ratio
-    old / rollout, truncated at ``rollout_is_threshold``.
+    old / rollout, truncated at ``rollout_is_threshold`` (a ``lower_upper`` string zeroes the
+    weights outside [lower, upper] instead, verl's IcePop; null computes none). On, the ratio is
+    the current policy's / the rollout's, taken in the loss: ``loss_type=ppo_clip`` clips it as
+    PPO does (weights are then only measured), ``reinforce`` is the policy gradient weighted by
+    them. ``rollout_rs`` rejects the tokens or whole sequences whose divergence leaves the bounds
+    of ``rollout_rs_threshold``; ``rollout_is_batch_normalize`` scales the weights to mean 1.
+
+    What is refused is what verl refuses, where verl reads a key: a threshold only once its
+    option is on. ``check`` (from ``RunSettings.check_sizes``) refuses before the first step.
     """
 
     bypass_mode: bool | None = None
+    loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
     rollout_is: Literal["token", "sequence"] | None = None
-    rollout_is_threshold: PositiveFloat = 2.0
+    rollout_is_threshold: float | str | bool | None = 2.0  # bool only to refuse it, as verl does
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: str | None = None
+    rollout_rs_threshold: float | str | bool | None = None
+
+    def check(self) -> None:
+        """Raise ``ValueError("<key>: <why>")`` where verl would refuse these settings."""
+        self.is_bounds()
+        self.rs_bounds()
+
+    def is_bounds(self) -> tuple[float, float | None] | None:
+        """(upper, lower) of ``rollout_is_threshold``: lower None for one number (truncation), set
+        for ``lower_upper`` (IcePop). None when no weights are computed (either key null)."""
+        if self.rollout_is is None or self.rollout_is_threshold is None:
+            return None
+        try:
+            lower, upper = self.bounds(self.rollout_is_threshold)
+        except ValueError as exc:
+            raise ValueError(f"rollout_is_threshold: {exc}") from None
+        return upper, lower
+
+    def rs_options(self) -> list[str]:
+        """``rollout_rs``'s comma-separated options, duplicates dropped, as verl reads them: the
+        divergence k1 = -log r, k2 = (log r)^2 / 2 or k3 = r - 1 - log r (r = policy / rollout)
+        of each token, or its sum, mean or max over a sequence."""
+        known = [f"{level}_k{k}" for level in ("token", "seq_sum", "seq_mean") for k in (1, 2, 3)]
+        known += ["seq_max_k2", "seq_max_k3"]
+        if self.rollout_rs is None:
+            return []
+        options = list(dict.fromkeys(part.strip() for part in self.rollout_rs.split(",") if part.strip()))
+        if not options or any(option not in known for option in options):
+            bad = next((option for option in options if option not in known), self.rollout_rs)
+            expected = ", ".join(known)
+            raise ValueError(f"rollout_rs: unknown option {bad!r} (expected any of {expected}, comma-separated)")
+        return options
+
+    def rs_bounds(self) -> dict[str, tuple[float | None, float]]:
+        """Each ``rollout_rs`` option's (lower, upper) bounds on its statistic: a k1 option takes
+        ``lower_upper`` or one number, its upper (the lower then 1 / upper), and is kept where
+        log(lower) <= k1 <= log(upper); k2 and k3 take an upper bound alone. One threshold serves
+        every option, or one each, comma-separated."""
+        options, spec = self.rs_options(), self.rollout_rs_threshold
+        if not options:
+            return {}
+        if spec is None:
+            raise ValueError(f"rollout_rs_threshold: required with rollout_rs={self.rollout_rs} (verl has no default)")
+        parts = [spec] if not isinstance(spec, str) else [part.strip() for part in spec.split(",") if part.strip()]
+        if len(parts) not in (1, len(options)):
+            raise ValueError(
+                f"rollout_rs_threshold: {len(parts)} thresholds for {len(options)} rollout_rs options "
+                "(one for all, or one each)"
+            )
+        bounds = {}
+        for option, part in zip(options, parts * len(options) if len(parts) == 1 else parts, strict=True):
+            k1 = option.endswith("k1")
+            if not k1 and "_" in str(part):
+                raise ValueError(f"rollout_rs_threshold: {option} takes an upper bound alone, got {part!r}")
+            try:
+                lower, upper = self.bounds(part)
+                if k1 and lower is None and 1.0 / upper > upper:
+                    raise ValueError(f"{upper} alone is an upper bound below its implied lower 1/{upper}")
+            except ValueError as exc:
+                raise ValueError(f"rollout_rs_threshold: {exc} for {option}") from None
+            bounds[option] = ((1.0 / upper if lower is None else lower) if k1 else None, upper)
+        return bounds
+
+    @staticmethod
+    def bounds(spec: float | str | bool) -> tuple[float | None, float]:
+        """(lower, upper) of a threshold, verl's reading: a positive number or float-like string is
+        the upper bound alone; ``lower_upper`` both, positive and in order."""
+        if isinstance(spec, bool) or (isinstance(spec, str) and not spec.strip()):
+            raise ValueError(f"expected a positive number or 'lower_upper', got {spec!r}")
+        text = str(spec).strip()
+        lower_text, _, upper_text = text.partition("_") if "_" in text else ("", "", text)
+        try:
+            lower, upper = (float(lower_text) if lower_text else None), float(upper_text)
+        except ValueError:
+            raise ValueError(f"expected a positive number or 'lower_upper', got {spec!r}") from None
+        if not upper > 0 or (lower is not None and not lower > 0):
+            raise ValueError(f"expected positive bounds, got {spec!r}")
+        if lower is not None and lower > upper:
+            raise ValueError(f"lower bound above the upper one in {spec!r}")
+        return lower, upper
 
 
 class FilterGroups(_Section):

@@ -41,7 +41,9 @@ def hydra_job(name: str, help: str, job: Callable[[Any, Console], Any]) -> click
     """A command composing ``<name>.yaml`` with Hydra overrides, as the design doc shows.
 
     The configs ship inside this package (``skip_plugin_trainer/configs``), so the command works
-    from any directory; ``--config-dir`` puts a user's directory in front of them.
+    from any directory; ``--config-dir`` puts a user's directory in front of them. ``--check``
+    validates and prints the settings without starting anything; ``--cfg job`` prints the
+    composed config, as Hydra's apps (verl's) do.
     """
 
     @click.command(name=name, help=help, context_settings={"ignore_unknown_options": True})
@@ -54,10 +56,33 @@ def hydra_job(name: str, help: str, job: Callable[[Any, Console], Any]) -> click
         "rollout.yaml a config there can include with `defaults: [run, _self_]`).",
     )
     @click.option("--config-name", default=name, show_default=True)
-    def command(overrides: tuple[str, ...], config_dir: Path | None, config_name: str) -> None:
+    @click.option(
+        "--check",
+        is_flag=True,
+        help="Validate the whole configuration as the command would (sections, cross-checks, task, data), "
+        "print the resolved settings as YAML and exit, starting nothing.",
+    )
+    @click.option(
+        "--cfg",
+        type=click.Choice(["job"]),
+        default=None,
+        help="Print the composed config (Hydra's --cfg job) and exit.",
+    )
+    @click.option("--resolve", is_flag=True, help="With --cfg: resolve the config's interpolations first.")
+    def command(overrides: tuple[str, ...], config_dir: Path | None, config_name: str, **flags: Any) -> None:
         from skip_plugin_trainer.train.resume import RunStopped
 
         config = compose_config(config_dir, config_name, overrides)
+        if flags["cfg"] is not None:
+            from omegaconf import OmegaConf
+
+            console.print(OmegaConf.to_yaml(config, resolve=flags["resolve"]).rstrip(), soft_wrap=True, markup=False)
+            return
+        if flags["check"]:
+            from skip_plugin_trainer.check import check as check_config
+
+            check_config(config, console, name)
+            return
         try:  # any other skip error is one line at the ``skip`` command's boundary (skip_core.cli)
             job(config, console)
         except RunStopped as exc:
@@ -93,6 +118,8 @@ def compose_config(config_dir: Path | None, config_name: str, overrides: tuple[s
     Hydra finds a primary config only in its primary source: the user's directory is that
     source when it holds ``config_name``, and the shipped configs come after it on the search
     path (for its ``defaults``); otherwise the shipped configs are, and the user's directory follows.
+    Every override is applied as Hydra's ``++`` (set or add): whether a key exists is for the one
+    validation pass to say (``RunSettings.from_config``), in one line, whatever prefix it came with.
     """
     from hydra import compose, initialize_config_dir, initialize_config_module
     from hydra.errors import HydraException, MissingConfigException
@@ -109,47 +136,42 @@ def compose_config(config_dir: Path | None, config_name: str, overrides: tuple[s
         search = [f"hydra.searchpath=[file://{config_dir.resolve()}]"] if config_dir is not None else []
     with context:
         try:
-            return compose(config_name=config_name, overrides=[*search, *overrides])
+            return compose(config_name=config_name, overrides=[*search, *forced(overrides)])
         except MissingConfigException:
             raise click.UsageError(_no_config(config_dir, config_name)) from None
         except HydraException as exc:
-            unknown = _unknown_key(exc, compose(config_name=config_name, overrides=search))
-            if unknown:
-                raise click.ClickException(unknown) from None
             raise click.UsageError(str(exc)) from None
 
 
-def _no_config(config_dir: Path | None, config_name: str) -> str:
-    import importlib.resources
+def forced(overrides: tuple[str, ...]) -> list[str]:
+    """``overrides`` as Hydra's ``++key=value``; deletions (``~key``) and ``hydra.*`` as given.
+    Two spellings of one key (``rollout.n=3 actor_rollout_ref.rollout.n=5``) are an error, since
+    which one wins would depend on where each lands, not on their order."""
+    from skip_core.config import ConfigError
 
-    files = importlib.resources.files(SHIPPED).iterdir()
-    shipped = ", ".join(sorted(f.name.removesuffix(".yaml") for f in files if f.name.endswith(".yaml")))
-    where = f"{config_dir.resolve()} or " if config_dir is not None else ""
-    return f"--config-name: no {config_name}.yaml in {where}the shipped configs ({shipped})"
+    from skip_plugin_trainer.verl_keys import alias
 
-
-def _unknown_key(exc: Exception, base: Any) -> str | None:
-    """Our one-line error for an override of a key the config lacks, instead of Hydra's advice to
-    add it with ``+`` (which only leads to the same error from the run's own validation)."""
-    from omegaconf import DictConfig, OmegaConf
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
-    from skip_core.config import unknown_key
-
-    cause = exc.__cause__
-    if not isinstance(cause, (ConfigAttributeError, ConfigKeyError)) or not cause.full_key:
-        return None
-    parent_key = cause.full_key.rpartition(".")[0]
-    parent = OmegaConf.select(base, parent_key) if parent_key else base
-    if not isinstance(parent, DictConfig):
-        return None
-    message = f"{cause.full_key}: {unknown_key(cause.full_key, map(str, parent))}"
-    missing = _missing_section(cause.full_key)
-    return f"{message}; {missing}" if missing else message
+    out, seen = [], {}
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if not sep or key.startswith(("~", "hydra.")):
+            out.append(override)
+            continue
+        key = key.lstrip("+")
+        target = alias(key)
+        if seen.setdefault(target, key) != key:
+            raise ConfigError(f"{key}: sets {target}, which {seen[target]} sets too; give it once")
+        missing = _missing_section(target)
+        if missing:
+            raise ConfigError(f"{key}: {missing}")
+        out.append(f"++{key}={value}")
+    return out
 
 
 def _missing_section(key: str) -> str | None:
     """For a key of a section a plugin of this repository declares, while that plugin is not
-    installed: where the section comes from."""
+    installed: where the section comes from. (The shipped configs may carry such a section; an
+    override of it would do nothing.)"""
     from skip_core.config import SHIPPED as PLUGIN_FOLDERS
     from skip_core.config import install_hint
     from skip_core.plugins import registry
@@ -159,3 +181,12 @@ def _missing_section(key: str) -> str | None:
         if kind == "section" and section not in declared and (key == section or key.startswith(f"{section}.")):
             return f"{section} comes with a plugin that is not installed: {install_hint('section', section)}"
     return None
+
+
+def _no_config(config_dir: Path | None, config_name: str) -> str:
+    import importlib.resources
+
+    files = importlib.resources.files(SHIPPED).iterdir()
+    shipped = ", ".join(sorted(f.name.removesuffix(".yaml") for f in files if f.name.endswith(".yaml")))
+    where = f"{config_dir.resolve()} or " if config_dir is not None else ""
+    return f"--config-name: no {config_name}.yaml in {where}the shipped configs ({shipped})"

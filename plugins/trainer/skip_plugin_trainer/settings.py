@@ -1,38 +1,43 @@
 """The settings of ``skip rollout`` and ``skip run``: every config section, validated once.
 
 The trainer declares its sections here (``SECTIONS``, through ``skip_register_sections``, as any
-plugin declares its own); ``RolloutSettings.from_config`` validates every declared section of
-the run config at once (``skip_core.sections.parse_sections``, errors naming the key, what is
-allowed and the closest match), cross-checks them, and the rest of the runtime gets these typed
-objects and never reads raw config. Plugins get the same ``Sections`` and read their own.
+plugin declares its own). ``RolloutSettings.from_config`` is the one validation pass: verl's key
+paths become skip's (``verl_keys``), then every declared section, every ``skip.<role>`` and the
+top-level keys are validated at once (errors naming the key as the user wrote it, what is allowed
+and the closest match), cross-checked, and the cache namespace and setup are built from the typed
+values. The rest of the runtime gets these typed objects and never reads raw config; plugins get
+the same ``Sections`` and read their own.
 
-This is the lowest module of the trainer: it imports nothing else of it.
+It imports only the sections' modules (``run_sections``, ``algorithm_settings``) and ``verl_keys`` of the trainer.
 """
 
 from __future__ import annotations
 
-import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
-    Field,
-    NonNegativeInt,
-    PositiveFloat,
-    PositiveInt,
-    StrictBool,
-    StrictInt,
-    StrictStr,
     TypeAdapter,
     ValidationError,
-    field_validator,
-    model_validator,
 )
-from skip_core.config import ConfigError, Namespace, Steps, StepSet, lookup, parse_section, select, to_container
-from skip_core.sections import Sections, parse_sections
+from skip_core.config import (
+    SHIPPED,
+    ConfigError,
+    Namespace,
+    RoleConfig,
+    Steps,
+    StepSet,
+    is_hydra_marker,
+    lookup,
+    parse_section,
+    to_container,
+    unknown_key,
+)
+from skip_core.provenance import Setup
+from skip_core.sections import Sections, parse_roles, parse_sections
 
 from skip_plugin_trainer.algorithm_settings import (
     ActorConfig,
@@ -40,160 +45,20 @@ from skip_plugin_trainer.algorithm_settings import (
     CriticConfig,
     RewardConfig,
 )
+from skip_plugin_trainer.run_sections import (
+    DataConfig,
+    LoopConfig,
+    ModelConfig,
+    Resources,
+    RolloutConfig,
+    TaskConfig,
+    TrainerConfig,
+)
+from skip_plugin_trainer.verl_keys import Resolved, resolve
 
 
-class _Section(BaseModel):  # as algorithm_settings' (ruff sees a pydantic model only by its own base)
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class TaskConfig(BaseModel):
-    """``task``: a registered task that builds data (and a model) under ``dir``. The other keys are
-    the task's options: its ``Task.Options``, a subclass of this model, validates them."""
-
-    model_config = ConfigDict(extra="allow", frozen=True)
-    name: str | None = None
-    dir: str = "runs/embedded"
-
-
-class ModelConfig(BaseModel):
-    """``model``: a local Hugging Face model directory (the task's, when a task builds one).
-    verl's ``model`` section has more keys; skip reads only ``path``."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-    path: str | None = None
-
-
-class DataConfig(BaseModel):
-    """The keys of verl's ``data`` section that shape prompts; verl's other keys are left alone."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-    train_files: list[StrictStr] = []
-    val_files: list[StrictStr] = []
-    prompt_key: StrictStr = Field("prompt", min_length=1)
-    max_prompt_length: StrictInt = Field(512, gt=0)
-    max_response_length: StrictInt = Field(512, gt=0)
-    truncation: Literal["left", "right", "middle", "error"] = "error"
-    filter_overlong_prompts: StrictBool = True
-    train_batch_size: StrictInt = Field(1024, gt=0)
-    shuffle: StrictBool = True
-    seed: StrictInt = Field(0, ge=0)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_the_default(cls, values: Any) -> Any:
-        """verl's YAML writes null for "the default"."""
-        return {k: v for k, v in values.items() if v is not None} if isinstance(values, dict) else values
-
-    @field_validator("train_files", "val_files", mode="before")
-    @classmethod
-    def _one_or_many(cls, value: Any) -> Any:
-        return [value] if isinstance(value, (str, os.PathLike)) else value
-
-
-class Sampling(_Section):
-    n: PositiveInt = 1
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
-
-
-class MultiTurn(_Section):
-    """``tools_config``: the tools YAML, a path (relative to the working directory) or
-    ``pkg://<package>/<path>`` for one shipped inside an installed package."""
-
-    max_turns: PositiveInt = 4
-    tools_config: str | None = None
-    format: str = "hermes"
-    tool_timeout_s: PositiveFloat = 30.0
-
-
-class RolloutConfig(Sampling):
-    """``rollout``: the backend, sampling and the agent loop. The backend's own options are
-    sections of their own, nested here (``rollout.hf``, ``rollout.engine_kwargs.vllm``).
-
-    ``seed`` makes rollouts reproducible: each turn of each request samples with a seed derived
-    from (seed, step, prompt index, sample offset, turn). ``timeout_s`` bounds one engine call.
-    ``val_kwargs`` replaces the sampling settings for validation.
-    """
-
-    backend: str = "hf"
-    max_model_len: PositiveInt | None = None
-    seed: NonNegativeInt | None = 0
-    timeout_s: PositiveFloat = 600.0
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
-    multi_turn: MultiTurn = MultiTurn()
-    val_kwargs: Sampling = Sampling(temperature=0.0)
-    # A weight sync sends the model in buckets of this many MiB (verl's key): each side holds
-    # about two at a time, not a second copy of the model.
-    update_weights_bucket_megabytes: PositiveFloat = 512
-
-
-class LoopConfig(RolloutConfig):
-    """What the agent loop reads: the ``rollout`` section plus the lengths ``data`` sets."""
-
-    prompt_length: PositiveInt
-    response_length: PositiveInt
-
-    @property
-    def model_len(self) -> int:
-        total = self.prompt_length + self.response_length
-        return min(self.max_model_len or total, total)
-
-
-class TrainerConfig(_Section):
-    """``trainer``: length of the run, its directory, checkpoints, validation and loggers."""
-
-    project_name: str = "skip"
-    experiment_name: str = "run"
-    schedule: str = "sync"
-    total_epochs: PositiveInt = 1
-    total_training_steps: PositiveInt | None = None
-    default_local_dir: str = "runs/train"
-    save_freq: int = -1
-    test_freq: int = -1
-    val_before_train: bool = False
-    critic_warmup: NonNegativeInt = 0  # steps that train only the critic, the actor from this step on
-    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
-    resume_from_path: str | None = None
-    max_ckpt_to_keep: PositiveInt | None = None
-    logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = ["console", "jsonl"]
-    seed: NonNegativeInt = 0
-
-
-class RolloutPool(_Section):
-    workers: PositiveInt = 1
-    cpus_per_worker: PositiveFloat = 1
-    max_restarts: NonNegativeInt = 3  # times Ray restarts a lost worker (killed, preempted, out of memory)
-    # How long a lost worker may take to come back: placed again (on another node, if its own is
-    # gone: an autoscaler may first add one) and its engine loaded. Past it the run stops.
-    restart_timeout_s: PositiveFloat = 600
-    # Custom resources each worker's bundle asks for besides its CPUs ({node_b: 1}): on a cluster,
-    # the pool goes to the nodes started with them (ray start --resources). null: none.
-    ray_resources: dict[StrictStr, PositiveFloat] | None = None
-
-
-class ActorPool(_Section):
-    cpus: PositiveFloat = 1
-    ray_resources: dict[StrictStr, PositiveFloat] | None = None  # as the rollout pool's
-
-
-class Resources(_Section):
-    """``resources``: the local Ray's CPUs (``num_cpus``, ignored when joining ``RAY_ADDRESS``)
-    and each pool's share. ``torch_threads`` sets every worker's intra-op threads; by default
-    a worker of an overlapped schedule gets its own CPUs (every worker runs at the same time),
-    and one of ``sync`` its share of both pools' CPUs among the workers that run beside it (the
-    rollout workers together, then the actor alone)."""
-
-    num_cpus: PositiveInt | None = None
-    torch_threads: PositiveInt | None = None
-    rollout: RolloutPool = RolloutPool()
-    actor: ActorPool = ActorPool()
-
-    def threads(self, cpus: float, overlapped: bool, together: int = 1) -> int:
-        """Threads of a worker with ``cpus`` of its own, one of ``together`` that run at once."""
-        both = self.rollout.workers * self.rollout.cpus_per_worker + self.actor.cpus
-        return self.torch_threads or max(1, int(cpus if overlapped else both / together))
+class UnusedKeysWarning(UserWarning):
+    """Keys a config passes that change nothing here: verl's GPU tuning and logs, a null task's options."""
 
 
 #: The trainer's sections, declared like any plugin's (``skip_register_sections``).
@@ -222,7 +87,10 @@ class RolloutSettings:
     data: DataConfig
     rollout: LoopConfig
     reward: RewardConfig
-    namespace: Namespace
+    roles: dict[str, RoleConfig]  # every installed role's skip.<role>
+    namespace: Namespace  # the cache's, from the values that train
+    setup: Setup  # what generates, recorded with each cache entry
+    resolved: Resolved  # the config in skip's paths, and the verl keys that change nothing here
     output_dir: str | None = None
     # the steps of ``skip run`` that ``skip rollout`` generates, as ranges
     steps: StepSet = field(default_factory=lambda: StepSet([(1, 1)]))
@@ -234,6 +102,32 @@ class RolloutSettings:
     @property
     def backend(self) -> str:
         return self.rollout.backend
+
+    @property
+    def generation_batch_size(self) -> int:
+        """Prompts one generation draws: DAPO's ``data.gen_batch_size`` when dynamic sampling keeps
+        ``data.train_batch_size`` of them, else the train batch (``skip rollout`` draws as ``skip run``)."""
+        gen = self.data.gen_batch_size
+        sampling = self.sections[AlgorithmConfig].filter_groups.enable
+        return gen if gen is not None and sampling else self.data.train_batch_size
+
+    def dump(self) -> dict[str, Any]:
+        """Every setting the run uses, defaults filled in, in skip's paths: what ``--check``
+        prints and the loggers record."""
+        from skip_core.plugins import registry
+
+        out: dict[str, Any] = {}
+        for key, model in sorted(registry().sections.items()):  # a section before those inside it
+            value = self.task if model is TaskConfig else self.sections[model]
+            *parents, name = key.split(".")
+            node = out
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[name] = {**value.model_dump(mode="json"), **node.get(name, {})}
+        out["skip"] = {name: role.model_dump(mode="json") for name, role in sorted(self.roles.items())}
+        out["steps"] = self.steps.as_config()
+        out["output_dir"] = self.output_dir
+        return out
 
     def model_path(self) -> Path:
         """The model directory, checked to be a Hugging Face model (after the task built it)."""
@@ -267,7 +161,10 @@ class RunSettings(RolloutSettings):
             trainer=sections[TrainerConfig],
             resources=sections[Resources],
         )
-        settings.check_sizes()
+        try:
+            settings.check_sizes()
+        except ConfigError as exc:
+            raise ConfigError(_as_written(str(exc), settings.resolved)) from None
         return settings
 
     @property
@@ -302,6 +199,20 @@ class RunSettings(RolloutSettings):
         algorithm = self.algorithm.model_dump(mode="json", exclude={"rollout_correction", "filter_groups", *unused})
         return {**fixed, **{f"algorithm.{key}": value for key, value in algorithm.items()}}
 
+    def _check_generation_size(self) -> None:
+        gen, batch = self.data.gen_batch_size, self.data.train_batch_size
+        if gen is None or gen == batch or self.algorithm.filter_groups.enable:
+            return
+        if self.trainer.schedule == "fully_async":
+            if gen != 1:
+                raise ConfigError(f"data.gen_batch_size: fully_async feeds prompts one by one (verl's 1), got {gen}")
+            return
+        raise ConfigError(
+            f"data.gen_batch_size: {gen} prompts per generation differ from data.train_batch_size={batch}, "
+            "which only DAPO's dynamic sampling uses (algorithm.filter_groups.enable=true keeps "
+            "train_batch_size of them)"
+        )
+
     def check_sizes(self) -> None:
         n, batch = self.rollout.n, self.data.train_batch_size
         models = [("actor", self.actor)] + ([("critic", self.critic)] if self.use_critic else [])
@@ -316,11 +227,12 @@ class RunSettings(RolloutSettings):
                     f"{name}.ppo_micro_batch_size: {model.ppo_micro_batch_size} samples do not divide a mini-batch "
                     f"of {model.ppo_mini_batch_size} prompts x rollout.n={n} = {model.ppo_mini_batch_size * n} samples"
                 )
-        workers = self.resources.rollout.workers
-        if batch % workers:
+        self._check_generation_size()
+        workers, generated = self.resources.rollout.workers, self.generation_batch_size
+        if generated % workers:
+            size = "data.gen_batch_size" if generated != batch else "data.train_batch_size"
             raise ConfigError(
-                f"resources.rollout.workers: {workers} workers cannot split "
-                f"data.train_batch_size={batch} prompts evenly"
+                f"resources.rollout.workers: {workers} workers cannot split {size}={generated} prompts evenly"
             )
         buffer = self.reward.overlong_buffer
         if buffer.enable and buffer.len >= self.data.max_response_length:
@@ -329,11 +241,10 @@ class RunSettings(RolloutSettings):
                 f"data.max_response_length={self.data.max_response_length}"
             )
         correction = self.algorithm.rollout_correction
-        if correction.rollout_is and correction.bypass_mode:
-            raise ConfigError(
-                "algorithm.rollout_correction.rollout_is: needs bypass_mode=false (bypass uses the rollout "
-                "log-probs as the old ones, so every weight would be 1)"
-            )
+        try:  # what verl refuses: a threshold its option cannot read, an option it does not know
+            correction.check()
+        except ValueError as exc:  # "<key>: <why>"
+            raise ConfigError(f"algorithm.rollout_correction.{exc}") from None
         if self.trainer.resume_mode == "resume_path" and not self.trainer.resume_from_path:
             raise ConfigError("trainer.resume_from_path: required with trainer.resume_mode=resume_path")
 
@@ -343,21 +254,80 @@ def _rollout_fields(config: Any) -> dict[str, Any]:
     from skip_core.plugins import registry
 
     registered = registry()
-    sections = parse_sections(config, registered.sections)
-    data, rollout = sections[DataConfig], sections[RolloutConfig]
-    check_backend(rollout.backend, sections, registered.backends)
-    lengths = {"prompt_length": data.max_prompt_length, "response_length": data.max_response_length}
+    if not isinstance(config, dict) and not hasattr(config, "items"):
+        raise ConfigError(f"config: expected a mapping of sections, got {type(config).__name__}")
+    resolved = resolve(config)
+    raw = resolved.config
+    try:
+        check_top_level(raw, registered.sections, {"steps", "output_dir"})
+        sections = parse_sections(raw, registered.sections)
+        roles = parse_roles(raw.get("skip"), registered.roles)
+        data, rollout = sections[DataConfig], sections[RolloutConfig]
+        check_backend(rollout.backend, sections, registered.backends)
+        task = _task(sections[TaskConfig], registered.tasks)
+        output_dir, steps = raw.get("output_dir"), _job_steps(raw.get("steps"))
+    except ConfigError as exc:
+        raise ConfigError(_as_written(str(exc), resolved)) from None
+    if output_dir is not None and not isinstance(output_dir, str):
+        raise ConfigError(f"output_dir: expected a directory path, got {output_dir!r}")
+    warning = resolved.warning()
+    if warning:
+        warnings.warn(warning, UnusedKeysWarning, stacklevel=4)
+    loop = LoopConfig(**dict(rollout), prompt_length=data.max_prompt_length, response_length=data.max_response_length)
+    model = sections[ModelConfig]
     return {
         "sections": sections,
-        "task": _task(sections[TaskConfig], registered.tasks),
-        "model": sections[ModelConfig],
+        "task": task,
+        "model": model,
         "data": data,
-        "rollout": LoopConfig(**dict(rollout), **lengths),
+        "rollout": loop,
         "reward": sections[RewardConfig],
-        "namespace": Namespace.from_config(config),
-        "output_dir": select(config, "output_dir"),
-        "steps": _job_steps(select(config, "steps")),
+        "roles": roles,
+        "namespace": _namespace(sections[TrainerConfig], data, loop),
+        "setup": Setup(_engine_setup(loop, sections, registered.sections), {"path": model.path}),
+        "resolved": resolved,
+        "output_dir": output_dir,
+        "steps": steps,
     }
+
+
+def check_top_level(config: dict[str, Any], declared: dict[str, type[BaseModel]], others: set[str]) -> None:
+    """Every top-level key is a declared section (or holds one), ``skip``, or one of ``others``.
+    A section of a plugin this repository ships may stand there while the plugin is not
+    installed (the shipped configs carry some): ``parse_sections`` refuses it turned on."""
+    shipped = {name for kind, name in SHIPPED if kind == "section"}
+    allowed = {key.split(".")[0] for key in (*declared, *shipped)} | {"skip"} | others
+    for key in config:
+        if key not in allowed and not is_hydra_marker(key):
+            raise ConfigError(f"{key}: {unknown_key(str(key), allowed)}")
+
+
+def _as_written(message: str, resolved: Resolved) -> str:
+    """An error line naming the key as the user wrote it (``actor_rollout_ref.rollout.n``, skip's ``rollout.n``)."""
+    key, sep, rest = message.partition(": ")
+    written = resolved.written(key) if sep else key
+    return message if written == key else f"{written} (skip's {key}): {rest}"
+
+
+def _namespace(trainer: TrainerConfig, data: DataConfig, rollout: LoopConfig) -> Namespace:
+    """The cache's namespace, as verl names it, from the values this run trains with."""
+    return Namespace(
+        experiment_name=trainer.experiment_name,
+        project_name=trainer.project_name,
+        gbs=data.gen_batch_size or data.train_batch_size,
+        n=rollout.n,
+        prompt_len=data.max_prompt_length,
+        response_len=data.max_response_length,
+    )
+
+
+def _engine_setup(rollout: LoopConfig, sections: Sections, declared: dict[str, type[BaseModel]]) -> dict[str, Any]:
+    """The ``rollout`` section as ``Setup`` reads it, with the backend's own section (its dtype)."""
+    values = rollout.model_dump(mode="json")
+    for key in (f"rollout.{rollout.backend}", f"rollout.engine_kwargs.{rollout.backend}"):
+        if key in declared:
+            values["engine_kwargs"] = {rollout.backend: sections[declared[key]].model_dump(mode="json")}
+    return values
 
 
 def _job_steps(raw: Any) -> StepSet:
@@ -408,8 +378,13 @@ def _shown(value: Any, most: int = 60) -> str:
 
 
 def _task(section: TaskConfig, tasks: dict[str, Any]) -> TaskConfig:
-    """The ``task`` section validated by the named task's own ``Options``."""
+    """The ``task`` section validated by the named task's own ``Options``; without a task, only
+    ``name`` and ``dir``."""
     if section.name is None:
-        return section
+        extra = sorted(section.model_extra or {})
+        if extra:  # the shipped configs carry the embedded task's: said, not silently dropped
+            keys = ", ".join(f"task.{key}" for key in extra)
+            warnings.warn(f"{keys}: options of a task, unused with task.name=null", UnusedKeysWarning, stacklevel=5)
+        return TaskConfig(dir=section.dir)
     task = lookup("task.name", "task", section.name, tasks)
     return parse_section(task.Options, "task", section.model_dump())

@@ -6,7 +6,8 @@ from skip_core.config import ConfigError
 from skip_core.plugins import registry
 from skip_plugin_arithmetic.task import ArithmeticOptions
 from skip_plugin_hf.config import HFConfig
-from skip_plugin_trainer.settings import SECTIONS, Resources, RunSettings
+from skip_plugin_trainer.run_sections import Resources
+from skip_plugin_trainer.settings import SECTIONS, RunSettings
 
 
 @pytest.mark.parametrize("workers", [1, 2])

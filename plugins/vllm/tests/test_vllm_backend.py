@@ -27,7 +27,7 @@ from skip_plugin_hf.config import HFConfig
 from skip_plugin_trainer.algorithm_settings import ActorConfig
 from skip_plugin_trainer.rollout.agent_loop import AgentLoop, RolloutError
 from skip_plugin_trainer.rollout.tools import HermesParser
-from skip_plugin_trainer.settings import LoopConfig, MultiTurn
+from skip_plugin_trainer.run_sections import LoopConfig, MultiTurn
 from skip_plugin_trainer.train.policy import Policy
 from skip_plugin_vllm.options import VLLMOptions
 

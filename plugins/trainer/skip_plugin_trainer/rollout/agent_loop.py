@@ -32,7 +32,7 @@ from skip_plugin_trainer.rollout.padding import ROLLOUT_LAYOUT, pad_requests
 from skip_plugin_trainer.rollout.request import Request, State
 from skip_plugin_trainer.rollout.tools import Tool, ToolCall, ToolParser, ToolResponse
 from skip_plugin_trainer.rollout.weights import EngineWeights
-from skip_plugin_trainer.settings import LoopConfig, Sampling
+from skip_plugin_trainer.run_sections import LoopConfig, Sampling
 
 T = TypeVar("T")
 

@@ -25,7 +25,8 @@ from skip_plugin_trainer.data import PromptLoader, generation_inputs
 from skip_plugin_trainer.rollout.agent_loop import AgentLoop
 from skip_plugin_trainer.rollout.padding import merge_rollout_stats
 from skip_plugin_trainer.rollout.parts import RolloutParts, load_tokenizer, prepare_task, prompt_loader
-from skip_plugin_trainer.settings import RolloutSettings, TrainerConfig
+from skip_plugin_trainer.run_sections import TrainerConfig
+from skip_plugin_trainer.settings import RolloutSettings
 
 
 @dataclass
@@ -73,14 +74,14 @@ def run(config: Any, console: Console) -> Totals:
     trainer = settings.sections[TrainerConfig]
     if trainer.total_training_steps:  # known from the settings alone: refused before anything starts
         check_steps(settings.steps, trainer, batches=0)
-    SkipManager.init(config)
+    SkipManager.activate(settings.roles, settings.namespace, settings.setup)
     spans.configure(settings.sections, worker=0)
     parts = RolloutParts.from_settings(settings)
     if settings.task.name is not None:
         console.print(f"task {settings.task.name}: data and model under {settings.task.dir}")
     prepare_task(settings)
     tokenizer = load_tokenizer(settings)
-    loader = prompt_loader(settings.data, tokenizer, parts.tools)
+    loader = prompt_loader(settings, tokenizer, parts.tools)
     check_steps(settings.steps, trainer, batches=len(loader))  # before the engine loads the model
     loop = parts.agent_loop(settings, tokenizer)
     rewarder = _rewarder(settings, tokenizer)

@@ -15,7 +15,7 @@ from skip_core.config import ConfigError
 from skip_plugin_trainer.data import PromptLoader, RLDataset
 from skip_plugin_trainer.rollout.agent_loop import AgentLoop
 from skip_plugin_trainer.rollout.tools import Tool, ToolParser, load_tools, tool_parser
-from skip_plugin_trainer.settings import DataConfig, RolloutSettings
+from skip_plugin_trainer.settings import RolloutSettings
 
 
 def prepare_task(settings: RolloutSettings) -> None:
@@ -64,8 +64,9 @@ class RolloutParts:
         return AgentLoop(backend, tokenizer, settings.rollout, self.tools, self.parser)
 
 
-def prompt_loader(data: DataConfig, tokenizer: Any, tools: dict[str, Tool]) -> PromptLoader:
-    """The training prompts of ``data.train_files`` as a resumable stream of batches."""
+def prompt_loader(settings: RolloutSettings, tokenizer: Any, tools: dict[str, Tool]) -> PromptLoader:
+    """The training prompts of ``data.train_files`` as a resumable stream of generation batches."""
+    data = settings.data
     schemas = {name: tool.schema for name, tool in tools.items()}
     dataset = RLDataset(data.train_files, tokenizer, data, schemas)
-    return PromptLoader(dataset, batch_size=data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
+    return PromptLoader(dataset, batch_size=settings.generation_batch_size, shuffle=data.shuffle, seed=data.seed)

@@ -167,10 +167,11 @@ def agg_loss(loss_mat: Tensor, loss_mask: Tensor, mode: str) -> Tensor:
 
 @dataclass(frozen=True)
 class PolicyLoss:
-    """The loss to backpropagate and the two health metrics PPO runs are watched by."""
+    """The loss to backpropagate and the two health metrics PPO runs are watched by (a loss that
+    clips nothing has no ``clipfrac``)."""
 
     loss: Tensor
-    clipfrac: float
+    clipfrac: float | None
     approx_kl: float
 
 
@@ -208,6 +209,27 @@ def policy_loss(
         clipfrac = masked_mean((clipped > unclipped).float(), response_mask).item()
         approx_kl = masked_mean(-log_ratio, response_mask).item()
     return PolicyLoss(agg_loss(losses, response_mask, loss_agg_mode), clipfrac, approx_kl)
+
+
+def reinforce_loss(
+    log_prob: Tensor,
+    rollout_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    loss_agg_mode: str = "token-mean",
+    *,
+    weights: Tensor | None = None,
+) -> PolicyLoss:
+    """The plain policy gradient -A log pi (verl's ``compute_policy_loss_reinforce``, bypass mode's
+    ``loss_type=reinforce``): no ratio and no clip, so off-policy samples are corrected only by
+    ``weights`` (detached importance weights pi / pi_rollout), which scale each token's loss.
+    ``approx_kl`` is the one to the rollout's policy, as verl's ``actor/ppo_kl`` there."""
+    losses = -advantages.float() * log_prob.float()
+    if weights is not None:
+        losses = losses * weights.float()
+    with torch.no_grad():
+        approx_kl = masked_mean(rollout_log_prob.float() - log_prob.float(), response_mask).item()
+    return PolicyLoss(agg_loss(losses, response_mask, loss_agg_mode), None, approx_kl)
 
 
 def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, mode: str) -> Tensor:

@@ -16,6 +16,7 @@ import torch
 from skip_core.batch import Batch
 
 from skip_plugin_trainer.algorithm_settings import CriticConfig
+from skip_plugin_trainer.train import lr_schedule
 from skip_plugin_trainer.train.algorithm import masked_mean
 from skip_plugin_trainer.train.located import Located
 from skip_plugin_trainer.train.policy import micro_batches, pad_right, response_outputs
@@ -31,6 +32,7 @@ class Critic(Located):
         samples_per_prompt: int,
         seed: int = 0,
         threads: int | None = None,
+        total_training_steps: int | None = None,
     ) -> None:
         from transformers import AutoModelForTokenClassification
         from transformers.utils import logging as hf_logging
@@ -51,6 +53,8 @@ class Critic(Located):
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
         )
+        self.total_training_steps = total_training_steps
+        self.lr_scheduler = lr_schedule.scheduler(self.optimizer, optim, total_training_steps)
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
@@ -59,24 +63,31 @@ class Critic(Located):
         return Batch({"values": torch.cat([self._values(micro) for micro in micros])})
 
     def update(self, batch: Batch) -> dict[str, float]:
-        """``ppo_epochs`` passes over mini-batches toward ``returns``, one optimizer step each."""
+        """``ppo_epochs`` passes over mini-batches toward ``returns``, one optimizer step each, at the
+        lr the schedule gives this update (``critic/lr``); then the schedule moves on, once."""
         cfg = self.config
         size = cfg.ppo_mini_batch_size * self.samples_per_prompt
         if len(batch) % size:
             raise ValueError(f"{len(batch)} samples do not split into mini-batches of {size}")
         metrics: dict[str, list[float]] = defaultdict(list)
+        lr = self.optimizer.param_groups[0]["lr"]
         for _ in range(cfg.ppo_epochs):
             for mini in batch.chunk(len(batch) // size):
                 self._step(mini, metrics)
-        return {key: sum(values) / len(values) for key, values in metrics.items()}
+        self.lr_scheduler.step()
+        return {**{key: sum(values) / len(values) for key, values in metrics.items()}, "critic/lr": lr}
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         model = {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
         return model, self.optimizer.state_dict()
 
-    def load_checkpoint_state(self, model: Mapping[str, torch.Tensor], optimizer: Mapping[str, Any]) -> None:
+    def load_checkpoint_state(
+        self, model: Mapping[str, torch.Tensor], optimizer: Mapping[str, Any], *, updates: int
+    ) -> None:
+        """As ``Policy.load_checkpoint_state``: the lr schedule continues after ``updates`` updates."""
         self.model.load_state_dict(model)
         self.optimizer.load_state_dict(optimizer)
+        self.lr_scheduler = lr_schedule.scheduler(self.optimizer, self.config.optim, self.total_training_steps, updates)
 
     def _values(self, batch: Batch) -> torch.Tensor:
         width = batch.batch["responses"].shape[1]
@@ -101,4 +112,3 @@ class Critic(Located):
         metrics["critic/grad_norm"].append(grad_norm)
         if math.isfinite(grad_norm):
             self.optimizer.step()
-        metrics["critic/lr"].append(self.optimizer.param_groups[0]["lr"])

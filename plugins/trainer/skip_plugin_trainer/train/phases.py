@@ -16,7 +16,7 @@ from skip_core.schedule import StepRecord
 
 from skip_plugin_trainer.settings import RunSettings
 from skip_plugin_trainer.train.algorithm import agg_loss, apply_kl_penalty, compute_advantages
-from skip_plugin_trainer.train.correction import rollout_is_weights
+from skip_plugin_trainer.train.correction import correct
 from skip_plugin_trainer.train.reward import Rewarder
 from skip_plugin_trainer.train.value import gae_advantages, value_metrics
 
@@ -53,8 +53,6 @@ class Phases:
         else:
             with record.timed("old_log_prob"):
                 record.metrics.update(self.compute_old_log_prob(batch))
-                if self.correction.rollout_is:
-                    record.metrics.update(self.importance_weights(batch))
         if self.settings.use_reference:
             with record.timed("ref"):
                 ref = self.compute_ref_log_prob(batch.select(ACTOR_INPUTS, [], []))
@@ -67,7 +65,7 @@ class Phases:
         if self.critic is not None:
             with record.timed("update_critic"):
                 record.metrics.update(self.update_critic(batch))
-        if record.step >= self.settings.trainer.critic_warmup:  # verl: the critic alone before it
+        if record.step >= self.settings.trainer.critic_warmup:  # verl: the critic alone before it (actor_updates)
             with record.timed("update_actor"):
                 record.metrics.update(self.update_actor(batch))
 
@@ -102,17 +100,19 @@ class Phases:
         ``old_log_prob`` role replays them on its steps (exact when every earlier step was)."""
         return ray.get(self.actor.compute_log_prob.remote(inputs))
 
-    def importance_weights(self, batch: Batch) -> dict[str, float]:
-        """Per-token weights old / rollout (a sequence's product, with ``rollout_is=sequence``),
-        truncated at ``rollout_is_threshold``: the behaviour policy's samples, reweighted."""
-        weights, metrics = rollout_is_weights(
-            batch.batch["old_log_probs"],
-            batch.batch["rollout_log_probs"],
-            batch.batch["response_mask"],
-            level=self.correction.rollout_is,
-            threshold=self.correction.rollout_is_threshold,
+    def rollout_correction(self, batch: Batch) -> dict[str, float]:
+        """Decoupled mode's correction, once per batch (verl's
+        ``compute_rollout_correction_and_add_to_batch``): weights old / rollout for the loss
+        (``rollout_is``), and the response mask less the tokens ``rollout_rs`` rejects, so that
+        advantages, the critic, the loss and the batch's metrics see only the tokens kept;
+        ``rollout_corr/*`` measures the gap either way."""
+        tensors = batch.batch
+        weights, mask, metrics = correct(
+            self.correction, tensors["old_log_probs"], tensors["rollout_log_probs"], tensors["response_mask"]
         )
-        batch.batch["rollout_is_weights"] = weights
+        batch.batch["response_mask"] = mask
+        if weights is not None:
+            batch.batch["rollout_is_weights"] = weights
         return metrics
 
     @SkipManager.annotate(role="ref_log_prob", layout=REF_LOG_PROB)
@@ -139,6 +139,10 @@ class Phases:
             metrics = {"actor/reward_kl_penalty": kl, "actor/reward_kl_penalty_coeff": algo.kl_coef}
         else:
             batch.batch["token_level_rewards"] = scores
+        if not self.bypass and "rollout_log_probs" in batch.batch:
+            # verl's order: after the KL penalty, which saw every token, before the advantages
+            metrics |= self.rollout_correction(batch)
+            mask = batch.batch["response_mask"]
         rewards = batch.batch["token_level_rewards"]
         if algo.adv_estimator == "gae":
             values = batch.batch["values"]
@@ -165,4 +169,13 @@ class Phases:
             keys.append("ref_log_prob")
         if "rollout_is_weights" in batch.batch:
             keys.append("rollout_is_weights")
-        return ray.get(self.actor.update.remote(batch.select(keys, [], [])))
+        inputs = batch.select(keys, [], [])
+        if self.bypass:  # verl's apply_bypass_mode: the policy's loss corrects against the rollout's log-probs
+            inputs.meta_info["rollout_correction"] = self.correction
+        return ray.get(self.actor.update.remote(inputs))
+
+
+def actor_updates(step: int, critic_warmup: int) -> int:
+    """How many actor updates steps 1 to ``step`` made: ``Phases.train`` updates the actor on the
+    steps from ``critic_warmup`` on (verl's rule), the critic on every step."""
+    return max(0, step - max(critic_warmup - 1, 0))

@@ -17,8 +17,9 @@ import torch
 from skip_core.backend import untied
 from skip_core.batch import Batch
 
-from skip_plugin_trainer.algorithm_settings import ActorConfig
+from skip_plugin_trainer.algorithm_settings import ActorConfig, RolloutCorrection
 from skip_plugin_trainer.rollout.weights import Bucket, pack, plan
+from skip_plugin_trainer.train import lr_schedule
 from skip_plugin_trainer.train.algorithm import (
     agg_loss,
     entropy_from_logits,
@@ -26,6 +27,7 @@ from skip_plugin_trainer.train.algorithm import (
     log_probs_from_logits,
     policy_loss,
 )
+from skip_plugin_trainer.train.correction import bypass_policy_loss
 from skip_plugin_trainer.train.located import Located
 
 
@@ -42,6 +44,7 @@ class Policy(Located):
         use_reference: bool = False,
         seed: int = 0,
         threads: int | None = None,
+        total_training_steps: int | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
@@ -60,6 +63,9 @@ class Policy(Located):
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
         )
+        # The run's steps: a cosine decay or a warm-up ratio of ``optim`` needs them.
+        self.total_training_steps = total_training_steps
+        self.lr_scheduler = lr_schedule.scheduler(self.optimizer, optim, total_training_steps)
         self._published: dict[str, torch.Tensor] = {}  # the weights being synced, by ``publish_weights``
         self._buckets: list[list[str]] = []
 
@@ -81,15 +87,18 @@ class Policy(Located):
         return Batch({"ref_log_prob": torch.cat(parts)})
 
     def update(self, batch: Batch) -> dict[str, float]:
-        """``ppo_epochs`` passes of clipped-PPO steps, one optimizer step per mini-batch."""
+        """``ppo_epochs`` passes of clipped-PPO steps, one optimizer step per mini-batch, at the lr
+        the schedule gives this update (``actor/lr``); then the schedule moves on, once."""
         size = self.config.ppo_mini_batch_size * self.samples_per_prompt
         if len(batch) % size:
             raise ValueError(f"{len(batch)} samples do not split into mini-batches of {size}")
         metrics: dict[str, list[float]] = defaultdict(list)
+        lr = self.optimizer.param_groups[0]["lr"]
         for _ in range(self.config.ppo_epochs):
             for mini in batch.chunk(len(batch) // size):
                 self._step(mini, metrics)
-        return {key: sum(values) / len(values) for key, values in metrics.items()}
+        self.lr_scheduler.step()
+        return {**{key: sum(values) / len(values) for key, values in metrics.items()}, "actor/lr": lr}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """A copy of the weights, for a checkpoint (tied tensors appear under each name, as HF lists
@@ -114,9 +123,14 @@ class Policy(Located):
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         return self.state_dict(), self.optimizer.state_dict()
 
-    def load_checkpoint_state(self, model: Mapping[str, torch.Tensor], optimizer: Mapping[str, Any]) -> None:
+    def load_checkpoint_state(
+        self, model: Mapping[str, torch.Tensor], optimizer: Mapping[str, Any], *, updates: int
+    ) -> None:
+        """Weights and optimizer state of a checkpoint whose run had made ``updates`` updates: the lr
+        schedule continues from there (``lr_schedule.scheduler``)."""
         self.model.load_state_dict(model)
         self.optimizer.load_state_dict(optimizer)
+        self.lr_scheduler = lr_schedule.scheduler(self.optimizer, self.config.optim, self.total_training_steps, updates)
 
     # -- internals ---------------------------------------------------------------------
 
@@ -129,21 +143,27 @@ class Policy(Located):
 
     def _step(self, mini: Batch, metrics: dict[str, list[float]]) -> None:
         cfg = self.config
+        ppo = {
+            "clip_ratio_low": cfg.clip_ratio_low,
+            "clip_ratio_high": cfg.clip_ratio_high,
+            "clip_ratio_c": cfg.clip_ratio_c,
+            "loss_agg_mode": cfg.loss_agg_mode,
+        }
+        # Bypass mode (the phases send it): the old log-probs are the rollout's, and the loss
+        # weighs and rejects tokens by how far the policy now is from them (verl's bypass loss).
+        bypass: RolloutCorrection | None = mini.meta_info.get("rollout_correction")
         self.optimizer.zero_grad(set_to_none=True)
         for micro in micro_batches(mini, cfg.ppo_micro_batch_size):
             log_prob, entropy = self._forward(self.model, micro, entropy=cfg.entropy_coeff != 0)
             mask = micro.batch["response_mask"]
-            result = policy_loss(
-                micro.batch["old_log_probs"],
-                log_prob,
-                micro.batch["advantages"],
-                mask,
-                clip_ratio_low=cfg.clip_ratio_low,
-                clip_ratio_high=cfg.clip_ratio_high,
-                clip_ratio_c=cfg.clip_ratio_c,
-                loss_agg_mode=cfg.loss_agg_mode,
-                weights=micro.batch.get("rollout_is_weights"),
-            )
+            old, advantages = micro.batch["old_log_probs"], micro.batch["advantages"]
+            if bypass is None:
+                weights = micro.batch.get("rollout_is_weights")  # decoupled mode's, when rollout_is is set
+                result = policy_loss(old, log_prob, advantages, mask, weights=weights, **ppo)
+            else:
+                result, corrected = bypass_policy_loss(bypass, old, log_prob, advantages, mask, **ppo)
+                for key, value in corrected.items():
+                    metrics[key].append(value)
             loss = result.loss
             if cfg.entropy_coeff:
                 loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, cfg.loss_agg_mode)
@@ -154,7 +174,8 @@ class Policy(Located):
                 metrics["actor/kl_loss"].append(kl.item())
             (loss * len(micro) / len(mini)).backward()
             metrics["actor/pg_loss"].append(result.loss.item())
-            metrics["actor/pg_clipfrac"].append(result.clipfrac)
+            if result.clipfrac is not None:  # reinforce clips nothing
+                metrics["actor/pg_clipfrac"].append(result.clipfrac)
             metrics["actor/ppo_kl"].append(result.approx_kl)
         limit = cfg.grad_clip if cfg.grad_clip is not None else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit).item()
@@ -163,7 +184,6 @@ class Policy(Located):
             self.optimizer.step()
         else:  # one bad batch must not poison the weights; the metric shows it happened
             metrics["actor/skipped_steps"].append(1.0)
-        metrics["actor/lr"].append(self.optimizer.param_groups[0]["lr"])
 
 
 def micro_batches(batch: Batch, size: int) -> Iterator[Batch]:

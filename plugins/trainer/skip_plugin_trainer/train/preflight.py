@@ -1,17 +1,23 @@
-"""What a run checks before Ray starts beyond its settings: that its directory can be written, and
-that the steps its skip roles list lie within the run. Each says so in one line, not a traceback
-at the first checkpoint or a silence over steps a typo put out of reach."""
+"""What a run checks before Ray starts beyond its settings: that its data can be read and scored,
+that its directory can be written, and that the steps its skip roles list lie within the run.
+Each says so in one line, not a traceback at the first checkpoint or a silence over steps a typo
+put out of reach. ``skip run --check`` runs the same checks (``skip_plugin_trainer.check``)."""
 
 from __future__ import annotations
 
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Any
 
 from skip_core.config import ConfigError
 from skip_core.manager import SkipManager
 
-from skip_plugin_trainer.settings import TrainerConfig
+from skip_plugin_trainer.data import PromptLoader, RLDataset
+from skip_plugin_trainer.rollout.parts import RolloutParts, load_tokenizer, prompt_loader
+from skip_plugin_trainer.run_sections import TrainerConfig
+from skip_plugin_trainer.settings import RunSettings
+from skip_plugin_trainer.train.reward import Rewarder
 
 
 class UnreachableStepsWarning(UserWarning):
@@ -44,3 +50,25 @@ def check_writable(path: Path) -> None:
             f"trainer.default_local_dir: cannot write the run directory {path}: {exc.strerror or exc}; "
             "point trainer.default_local_dir at a directory you can write"
         ) from None
+
+
+def load_data(s: RunSettings, parts: RolloutParts) -> tuple[Any, PromptLoader, RLDataset | None, Rewarder]:
+    """The tokenizer, the training prompts, the validation set (when validation runs) and the
+    rewarder, checked: every row's data_source has a scorer, and the workers split the validation set."""
+    tokenizer = load_tokenizer(s)
+    loader = prompt_loader(s, tokenizer, parts.tools)
+    val = None
+    if s.data.val_files and s.trainer.test_freq > 0:
+        schemas = {name: tool.schema for name, tool in parts.tools.items()}
+        val = RLDataset(s.data.val_files, tokenizer, s.data, schemas, files_key="data.val_files")
+    rewarder = Rewarder(s.reward, tokenizer, s.data.max_response_length)
+    rewarder.check_sources({row["data_source"] for row in loader.dataset}, "data.train_files")
+    if val is not None:
+        rewarder.check_sources({row["data_source"] for row in val}, "data.val_files")
+        workers = s.resources.rollout.workers
+        if len(val) % workers:
+            raise ConfigError(
+                f"resources.rollout.workers: {workers} workers cannot split the "
+                f"{len(val)} validation prompts of data.val_files evenly"
+            )
+    return tokenizer, loader, val, rewarder

@@ -1,21 +1,25 @@
 """Rule-based rewards: a registered function scores each decoded response.
 
 Reward functions register through ``skip_register_rewards`` with verl's ``compute_score``
-signature, so a verl user's function plugs in unchanged; ``reward.function`` picks one.
+signature, so a verl user's function plugs in unchanged; ``reward.function`` picks one, and
+``reward.custom_reward_function.path`` loads one from a file, as verl does.
 The sequence score lands on the last token the policy sampled, which is where the
 advantage estimators that look at token positions (REINFORCE++) expect the outcome.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Callable, Mapping
 from functools import cache
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from skip_core.config import ConfigError, lookup
 
-from skip_plugin_trainer.algorithm_settings import OverlongBuffer, RewardConfig
+from skip_plugin_trainer.algorithm_settings import CustomRewardFunction, OverlongBuffer, RewardConfig
 
 if TYPE_CHECKING:
     import torch
@@ -45,7 +49,11 @@ class Rewarder:
     def __init__(self, config: RewardConfig, tokenizer: Any, max_response_length: int) -> None:
         from skip_core.plugins import registry
 
-        self.fn: RewardFn = lookup("reward.function", "reward function", config.function, registry().rewards)
+        custom = config.custom_reward_function
+        if custom.path is not None:
+            self.fn: RewardFn = load_reward_function(custom)
+        else:
+            self.fn = lookup("reward.function", "reward function", config.function, registry().rewards)
         self.config = config
         self.tokenizer = tokenizer
         self.max_response_length = max_response_length
@@ -68,7 +76,7 @@ class Rewarder:
         extras = batch.non_tensor_batch
         scores = np.array(
             [
-                float(self.fn(extras["data_source"][i], text, extras["ground_truth"][i], extras["extra_info"][i]))
+                _score(self.fn(extras["data_source"][i], text, extras["ground_truth"][i], extras["extra_info"][i]))
                 for i, text in enumerate(texts)
             ]
         )
@@ -83,6 +91,33 @@ class Rewarder:
             parts["overlong_reward"] = overlong_rewards(lengths, self.max_response_length, self.config.overlong_buffer)
             total = total + parts["overlong_reward"]
         return place_on_last_token(total, batch.batch["response_mask"]), parts
+
+
+def _score(result: Any) -> float:
+    """A score, or verl's dict holding one under ``score`` (its other entries are the function's)."""
+    return float(result["score"] if isinstance(result, Mapping) else result)
+
+
+def load_reward_function(custom: CustomRewardFunction) -> RewardFn:
+    """``custom.name`` from the Python file ``custom.path``: a module of its own, imported once."""
+    path = Path(custom.path).expanduser().absolute()
+    key = "reward.custom_reward_function"
+    if path.suffix != ".py" or not path.is_file():
+        raise ConfigError(f"{key}.path: expected a Python file (.py), got {custom.path!r}")
+    module_name = f"skip_custom_reward_{abs(hash(str(path)))}"
+    module = sys.modules.get(module_name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:  # the user's code: its failure named in one line
+            raise ConfigError(f"{key}.path: importing {path} failed: {exc!r}") from None
+        sys.modules[module_name] = module
+    fn = getattr(module, custom.name, None)
+    if not callable(fn):
+        raise ConfigError(f"{key}.name: {path} has no function {custom.name!r}")
+    return fn
 
 
 def overlong_rewards(lengths: np.ndarray, max_length: int, buffer: OverlongBuffer) -> np.ndarray:

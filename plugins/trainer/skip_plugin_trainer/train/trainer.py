@@ -23,18 +23,17 @@ from typing import Any
 import numpy as np
 import ray
 import torch
-from omegaconf import OmegaConf
 from ray.exceptions import RayActorError
 from rich.console import Console
 from skip_core import spans
 from skip_core.batch import Batch
-from skip_core.config import ConfigError, lookup
+from skip_core.config import lookup
 from skip_core.loop_thread import LoopThread
 from skip_core.manager import SkipManager
 from skip_core.schedule import Schedule, StepRecord
 
-from skip_plugin_trainer.data import PromptLoader, RLDataset, collate, generation_inputs
-from skip_plugin_trainer.rollout.parts import RolloutParts, load_tokenizer, prepare_task, prompt_loader
+from skip_plugin_trainer.data import collate, generation_inputs
+from skip_plugin_trainer.rollout.parts import RolloutParts, prepare_task
 from skip_plugin_trainer.settings import RunSettings
 from skip_plugin_trainer.train.checkpoint import CheckpointManager, capture_rng, restore_rng
 from skip_plugin_trainer.train.checkpoint_files import Checkpoint
@@ -49,10 +48,9 @@ from skip_plugin_trainer.train.metrics import (
     throughput_metrics,
     timing_metrics,
 )
-from skip_plugin_trainer.train.phases import Phases
-from skip_plugin_trainer.train.preflight import check_writable, warn_unreachable
+from skip_plugin_trainer.train.phases import Phases, actor_updates
+from skip_plugin_trainer.train.preflight import check_writable, load_data, warn_unreachable
 from skip_plugin_trainer.train.resume import find_checkpoint, nothing_left, stopped, trainer_state
-from skip_plugin_trainer.train.reward import Rewarder
 from skip_plugin_trainer.train.rollout_group import WorkerLost
 from skip_plugin_trainer.train.train_only import plan_engines
 from skip_plugin_trainer.train.workers import Cluster
@@ -68,19 +66,16 @@ class Trainer:
     def __init__(self, config: Any, console: Console) -> None:
         from skip_core.plugins import registry
 
-        self.config, self.console = config, console
+        self.console = console
         self.settings = s = RunSettings.from_config(config)
         check_backends(s.trainer.logger)
         torch.manual_seed(s.trainer.seed)
         schedules = registry().schedules
         self.schedule: Schedule = lookup("trainer.schedule", "schedule", s.trainer.schedule, schedules)(s.sections)
         self.parts = RolloutParts.from_settings(s)
-        SkipManager.init(config)
+        SkipManager.activate(s.roles, s.namespace, s.setup)
         prepare_task(s)
-        self.tokenizer = load_tokenizer(s)
-        self.loader, self.val_set = self._data()
-        self.rewarder = Rewarder(s.reward, self.tokenizer, s.data.max_response_length)
-        self._check_sources()
+        self.tokenizer, self.loader, self.val_set, self.rewarder = load_data(s, self.parts)
         self.total_steps = s.trainer.total_training_steps or len(self.loader) * s.trainer.total_epochs
         warn_unreachable(self.total_steps, s.trainer)
         self.train_batch_size, self.ppo_mini_batch_size = s.data.train_batch_size, s.actor.ppo_mini_batch_size
@@ -108,27 +103,6 @@ class Trainer:
         """Whether the checkpoint this run would resume from is already at or past its last step."""
         return self.resume_from is not None and self.resume_from.step >= self.total_steps
 
-    def _data(self) -> tuple[PromptLoader, RLDataset | None]:
-        data = self.settings.data
-        loader = prompt_loader(data, self.tokenizer, self.parts.tools)
-        val = None
-        if data.val_files and self.settings.trainer.test_freq > 0:
-            schemas = {name: tool.schema for name, tool in self.parts.tools.items()}
-            val = RLDataset(data.val_files, self.tokenizer, data, schemas, files_key="data.val_files")
-        return loader, val
-
-    def _check_sources(self) -> None:
-        self.rewarder.check_sources({row["data_source"] for row in self.loader.dataset}, "data.train_files")
-        if self.val_set is None:
-            return
-        self.rewarder.check_sources({row["data_source"] for row in self.val_set}, "data.val_files")
-        workers = self.settings.resources.rollout.workers
-        if len(self.val_set) % workers:
-            raise ConfigError(
-                f"resources.rollout.workers: {workers} workers cannot split the "
-                f"{len(self.val_set)} validation prompts of data.val_files evenly"
-            )
-
     # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
@@ -137,16 +111,15 @@ class Trainer:
         plan = plan_engines(s, self.schedule, self.loader, self.resume_from, self.total_steps, self.val_set is not None)
         if plan.line:
             self.console.print(plan.line, soft_wrap=True)
-        self.cluster.start(s, self.schedule.overlapped, defer_rollout=plan.deferred)
+        self.cluster.start(s, self.schedule.overlapped, self.total_steps, defer_rollout=plan.deferred)
         self.rollout, self.actor, self.critic = self.cluster.rollout, self.cluster.actor, self.cluster.critic
         self.phases = Phases(s, self.actor, self.rewarder, self.schedule.overlapped, self.critic)
         if self.resume_from is not None:
             self._resume(self.resume_from)
-        resolved = OmegaConf.to_container(self.config, resolve=True) if OmegaConf.is_config(self.config) else None
         self.tracking = Tracking(
             s.trainer.logger,
             self.run_dir,
-            resolved,
+            s.dump(),
             project=s.trainer.project_name,
             experiment=s.trainer.experiment_name,
             console=self.console,
@@ -272,7 +245,7 @@ class Trainer:
 
         def generate(index: int) -> Batch:
             prompts = self.prompts()
-            prompts.meta_info.update(index_base=index * self.train_batch_size)
+            prompts.meta_info.update(index_base=index * self.settings.generation_batch_size)
             batch = self.generate(prompts, step, generation=index).result()
             if step in self._loader_states:  # sync: the step's checkpoint resumes after these prompts
                 self._loader_states[step] = self.loader.state_dict()
@@ -333,10 +306,15 @@ class Trainer:
 
     def _resume(self, checkpoint: Checkpoint) -> None:
         self.loader.load_state_dict(checkpoint.trainer["loader"])
-        ray.get(self.actor.load_checkpoint_state.remote(checkpoint.model, checkpoint.optimizer))
+        # The lr schedules continue at the updates the checkpoint's steps made (derived, not saved:
+        # checkpoints written before skip had schedules resume the same way).
+        updates = actor_updates(checkpoint.step, self.settings.trainer.critic_warmup)
+        ray.get(self.actor.load_checkpoint_state.remote(checkpoint.model, checkpoint.optimizer, updates=updates))
         if self.critic is not None:
             critic = checkpoint.trainer["critic"]  # present: a checkpoint's algorithm.* must match the run's
-            ray.get(self.critic.load_checkpoint_state.remote(critic["model"], critic["optimizer"]))
+            ray.get(
+                self.critic.load_checkpoint_state.remote(critic["model"], critic["optimizer"], updates=checkpoint.step)
+            )
         self.global_steps = self._actor_version = checkpoint.step
         self._resumed_schedule_state = checkpoint.trainer.get("schedule")
         self.sync_weights()

@@ -84,9 +84,10 @@ class Cluster:
         self.weights: WeightSource | None = None
         self._where: dict[str, tuple[str, Any]] = {}
 
-    def start(self, settings: RunSettings, overlapped: bool, defer_rollout: bool = False) -> None:
+    def start(self, settings: RunSettings, overlapped: bool, total_steps: int, defer_rollout: bool = False) -> None:
         """Place the pools and start the workers; with ``defer_rollout`` (train-only) the rollout
-        pool is placed (its resources held for later) but its workers start on first use."""
+        pool is placed (its resources held for later) but its workers start on first use.
+        ``total_steps``, the run's training steps, is what the lr schedules span."""
         resources = settings.resources
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
@@ -130,11 +131,19 @@ class Cluster:
             use_reference=settings.use_reference,
             seed=settings.trainer.seed,
             threads=threads,
+            total_training_steps=total_steps,
         )
         if settings.use_critic:
             path, n, seed = str(settings.model_path()), settings.rollout.n, settings.trainer.seed
             (self.critic,) = actor.spawn(
-                Critic, path, settings.critic, share=share, samples_per_prompt=n, seed=seed, threads=threads
+                Critic,
+                path,
+                settings.critic,
+                share=share,
+                samples_per_prompt=n,
+                seed=seed,
+                threads=threads,
+                total_training_steps=total_steps,
             )[-1:]
         # Both pools load their models side by side; the first step's timing is then the step's.
         ray.get([worker.__ray_ready__.remote() for pool in self.pools for worker in pool.actors])

@@ -1,0 +1,58 @@
+"""``skip run --check`` and ``skip rollout --check``: the whole configuration validated as the
+command would validate it, and nothing started.
+
+Every section, the cross-checks, the schedule, backend, loggers and tools it names, and, when the
+task's files are in place (or no task builds them), the model's tokenizer, the data and the reward
+function's coverage of its rows. The resolved settings are printed as YAML, in skip's key
+paths (the keys that change nothing here are the one warning a run gives). Nothing is
+written: no run directory, no cache directory, no task build.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+from skip_core.config import lookup
+
+from skip_plugin_trainer.rollout.parts import RolloutParts, load_tokenizer, prompt_loader
+from skip_plugin_trainer.settings import RolloutSettings, RunSettings
+
+
+def check(config: Any, console: Console, command: str) -> RolloutSettings:
+    """Validate ``config`` for ``skip <command>`` and print its settings; a problem raises the
+    ``ConfigError`` the command would stop with."""
+    from skip_core.plugins import registry
+
+    settings = RunSettings.from_config(config) if command == "run" else RolloutSettings.from_config(config)
+    parts = RolloutParts.from_settings(settings)
+    if isinstance(settings, RunSettings):
+        from skip_plugin_trainer.train.metrics import check_backends
+        from skip_plugin_trainer.train.preflight import load_data
+
+        check_backends(settings.trainer.logger)
+        lookup("trainer.schedule", "schedule", settings.trainer.schedule, registry().schedules)
+    missing = _to_build(settings)
+    if missing:
+        console.print(f"# task {settings.task.name} builds {', '.join(missing)} on the first run: not checked")
+    elif isinstance(settings, RunSettings):
+        load_data(settings, parts)
+    else:
+        prompt_loader(settings, load_tokenizer(settings), parts.tools)
+    console.print(yaml.safe_dump(settings.dump(), sort_keys=False).rstrip(), soft_wrap=True, markup=False)
+    return settings
+
+
+def _to_build(settings: RolloutSettings) -> list[str]:
+    """What the configured task has still to build (its model, data files); empty without a task."""
+    if settings.task.name is None:
+        return []
+    data = settings.data
+    files = [*data.train_files, *data.val_files]
+    missing = [path for path in files if not Path(path).expanduser().is_file()]
+    model = settings.model.path
+    if model is None or not (Path(model).expanduser() / "config.json").is_file():
+        missing.insert(0, f"model.path={model}")
+    return missing

@@ -1,0 +1,180 @@
+"""The sections of ``skip run`` and ``skip rollout`` besides the learning side's
+(``algorithm_settings``): ``task``, ``model``, ``data``, ``rollout``, ``trainer`` and
+``resources``, with verl's key names. ``settings.py`` gathers them; this module imports nothing
+else of the trainer.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
+
+
+class _Section(BaseModel):  # as algorithm_settings' (ruff sees a pydantic model only by its own base)
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TaskConfig(BaseModel):
+    """``task``: a registered task that builds data (and a model) under ``dir``. The other keys are
+    the task's options: its ``Task.Options``, a subclass of this model, validates them."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    name: str | None = None
+    dir: str = "runs/embedded"
+
+
+class ModelConfig(BaseModel):
+    """``model``: a local Hugging Face model directory (the task's, when a task builds one).
+    verl's other ``model`` keys are GPU tuning or refused (``verl_keys``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    path: str | None = None
+
+
+class DataConfig(BaseModel):
+    """``data``: the keys of verl's ``data`` section that shape prompts (its others: ``verl_keys``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    train_files: list[StrictStr] = []
+    val_files: list[StrictStr] = []
+    prompt_key: StrictStr = Field("prompt", min_length=1)
+    max_prompt_length: StrictInt = Field(512, gt=0)
+    max_response_length: StrictInt = Field(512, gt=0)
+    truncation: Literal["left", "right", "middle", "error"] = "error"
+    filter_overlong_prompts: StrictBool = True
+    train_batch_size: StrictInt = Field(1024, gt=0)
+    # DAPO's: prompts each generation draws, when algorithm.filter_groups keeps train_batch_size of them
+    gen_batch_size: StrictInt | None = Field(None, gt=0)
+    shuffle: StrictBool = True
+    seed: StrictInt = Field(0, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, values: Any) -> Any:
+        """verl's YAML writes null for "the default"."""
+        return {k: v for k, v in values.items() if v is not None} if isinstance(values, dict) else values
+
+    @field_validator("train_files", "val_files", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return [value] if isinstance(value, (str, os.PathLike)) else value
+
+
+class Sampling(_Section):
+    n: PositiveInt = 1
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+
+
+class MultiTurn(_Section):
+    """``tools_config``: the tools YAML, a path (relative to the working directory) or
+    ``pkg://<package>/<path>`` for one shipped inside an installed package."""
+
+    max_turns: PositiveInt = 4
+    tools_config: str | None = None
+    format: str = "hermes"
+    tool_timeout_s: PositiveFloat = 30.0
+
+
+class RolloutConfig(Sampling):
+    """``rollout``: the backend, sampling and the agent loop. The backend's own options are
+    sections of their own, nested here (``rollout.hf``, ``rollout.engine_kwargs.vllm``).
+
+    ``seed`` makes rollouts reproducible: each turn of each request samples with a seed derived
+    from (seed, step, prompt index, sample offset, turn). ``timeout_s`` bounds one engine call.
+    ``val_kwargs`` replaces the sampling settings for validation.
+    """
+
+    backend: str = "hf"
+    max_model_len: PositiveInt | None = None
+    seed: NonNegativeInt | None = 0
+    timeout_s: PositiveFloat = 600.0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    multi_turn: MultiTurn = MultiTurn()
+    val_kwargs: Sampling = Sampling(temperature=0.0)
+    # A weight sync sends the model in buckets of this many MiB (verl's key): each side holds
+    # about two at a time, not a second copy of the model.
+    update_weights_bucket_megabytes: PositiveFloat = 512
+
+
+class LoopConfig(RolloutConfig):
+    """What the agent loop reads: the ``rollout`` section plus the lengths ``data`` sets."""
+
+    prompt_length: PositiveInt
+    response_length: PositiveInt
+
+    @property
+    def model_len(self) -> int:
+        total = self.prompt_length + self.response_length
+        return min(self.max_model_len or total, total)
+
+
+class TrainerConfig(_Section):
+    """``trainer``: length of the run, its directory, checkpoints, validation and loggers."""
+
+    project_name: str = "skip"
+    experiment_name: str = "run"
+    schedule: str = "sync"
+    total_epochs: PositiveInt = 1
+    total_training_steps: PositiveInt | None = None
+    default_local_dir: str = "runs/train"
+    save_freq: int = -1
+    test_freq: int = -1
+    val_before_train: bool = False
+    critic_warmup: NonNegativeInt = 0  # steps that train only the critic, the actor from this step on
+    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
+    resume_from_path: str | None = None
+    max_ckpt_to_keep: PositiveInt | None = None
+    logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = ["console", "jsonl"]
+    seed: NonNegativeInt = 0
+
+
+class RolloutPool(_Section):
+    workers: PositiveInt = 1
+    cpus_per_worker: PositiveFloat = 1
+    max_restarts: NonNegativeInt = 3  # times Ray restarts a lost worker (killed, preempted, out of memory)
+    # How long a lost worker may take to come back: placed again (on another node, if its own is
+    # gone: an autoscaler may first add one) and its engine loaded. Past it the run stops.
+    restart_timeout_s: PositiveFloat = 600
+    # Custom resources each worker's bundle asks for besides its CPUs ({node_b: 1}): on a cluster,
+    # the pool goes to the nodes started with them (ray start --resources). null: none.
+    ray_resources: dict[StrictStr, PositiveFloat] | None = None
+
+
+class ActorPool(_Section):
+    cpus: PositiveFloat = 1
+    ray_resources: dict[StrictStr, PositiveFloat] | None = None  # as the rollout pool's
+
+
+class Resources(_Section):
+    """``resources``: the local Ray's CPUs (``num_cpus``, ignored when joining ``RAY_ADDRESS``)
+    and each pool's share. ``torch_threads`` sets every worker's intra-op threads; by default
+    a worker of an overlapped schedule gets its own CPUs (every worker runs at the same time),
+    and one of ``sync`` its share of both pools' CPUs among the workers that run beside it (the
+    rollout workers together, then the actor alone)."""
+
+    num_cpus: PositiveInt | None = None
+    torch_threads: PositiveInt | None = None
+    rollout: RolloutPool = RolloutPool()
+    actor: ActorPool = ActorPool()
+
+    def threads(self, cpus: float, overlapped: bool, together: int = 1) -> int:
+        """Threads of a worker with ``cpus`` of its own, one of ``together`` that run at once."""
+        both = self.rollout.workers * self.rollout.cpus_per_worker + self.actor.cpus
+        return self.torch_threads or max(1, int(cpus if overlapped else both / together))

@@ -1,0 +1,198 @@
+"""verl's key paths under ``skip run``: aliases that land where skip reads them, with whatever
+``+``/``++`` prefix they come; GPU-only keys accepted with one warning; algorithm keys skip lacks
+refused in one line; and the cache namespace built from the values that train."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from click.testing import CliRunner
+from skip_core.cli import cli
+from skip_core.config import ConfigError
+from skip_plugin_trainer.commands import compose_config
+from skip_plugin_trainer.settings import RunSettings, UnusedKeysWarning
+
+
+def settings(*overrides: str, config_dir=None) -> RunSettings:
+    return RunSettings.from_config(compose_config(config_dir, "run", overrides))
+
+
+@pytest.mark.parametrize("prefix", ["", "+", "++"])
+def test_a_verl_path_sets_skips_key_and_the_namespace_follows(prefix):
+    s = settings(f"{prefix}actor_rollout_ref.rollout.n=8", f"{prefix}actor_rollout_ref.actor.use_kl_loss=True")
+    assert (s.rollout.n, s.actor.use_kl_loss) == (8, True)
+    assert s.namespace.shape == "GBS16_N8_in160_out96"
+
+
+def test_a_key_under_a_verl_section_leaves_its_other_keys_as_they_were():
+    """An engine option under actor_rollout_ref.rollout once replaced the whole aliased section."""
+    from skip_plugin_vllm.options import VLLMOptions
+
+    s = settings("+actor_rollout_ref.rollout.engine_kwargs.vllm.max_num_seqs=16")
+    assert s.sections[VLLMOptions].max_num_seqs == 16
+    assert (s.rollout.n, s.namespace.n, s.rollout.backend) == (4, 4, "hf")
+
+
+def test_an_interpolation_of_the_shipped_config_follows_the_verl_path():
+    """The critic's mini-batch is the actor's (as in verl), also when a script sets the actor's by verl's path."""
+    s = settings("actor_rollout_ref.actor.ppo_mini_batch_size=16")
+    assert (s.actor.ppo_mini_batch_size, s.critic.ppo_mini_batch_size) == (16, 16)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["+model.lora_rank=8"], r"^model\.lora_rank: not implemented: skip trains every weight"),
+        (["+actor_rollout_ref.model.lora_rank=8"], r"^actor_rollout_ref\.model\.lora_rank: not implemented"),
+        (["+model.foo=1"], r"^model\.foo: unknown key \(allowed: path\)"),
+        (["+data.foo=1"], r"^data\.foo: unknown key"),
+        (
+            ["++actor_rollout_ref.rollout.nn=3"],
+            r"^actor_rollout_ref\.rollout\.nn \(skip's rollout\.nn\): unknown key.*",
+        ),
+        (["+data.gen_batch_size=32"], r"^data\.gen_batch_size: 32 prompts per generation differ"),
+        (["data.train_batch_size=0"], r"^data\.train_batch_size: 0 is fully-async's"),
+        (["algorithm.kl_ctrl.type=adaptive"], r"^algorithm\.kl_ctrl\.type: not implemented"),
+        (["+reward_model.reward_manager=prime"], r"^reward_model\.reward_manager: 'prime' is not implemented"),
+        (["+actor_rollout_ref.actor.policy_loss.loss_mode=gspo"], r"policy_loss\.loss_mode: not implemented"),
+        (["+critic.model.path=/elsewhere"], r"^critic\.model\.path: '/elsewhere' is not implemented"),
+        (["+foo.bar=1"], r"^foo: unknown key \(allowed: actor, .*\)"),
+    ],
+)
+def test_a_key_skip_does_not_implement_is_refused_in_one_line_naming_it(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        settings(*overrides)
+
+
+def test_two_spellings_of_one_key_are_an_error_not_a_race():
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.rollout\.n: sets rollout\.n, which rollout\.n sets too"):
+        compose_config(None, "run", ("rollout.n=3", "actor_rollout_ref.rollout.n=5"))
+
+
+def test_gpu_keys_are_accepted_with_one_warning_that_lists_them_and_change_nothing():
+    plain = settings()
+    with pytest.warns(UnusedKeysWarning) as told:
+        tuned = settings(
+            "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            "trainer.n_gpus_per_node=8",
+            "actor_rollout_ref.actor.use_dynamic_bsz=True",
+        )
+    assert len(told) == 1
+    text = str(told[0].message)
+    assert "actor_rollout_ref.rollout.tensor_model_parallel_size" in text and "trainer.n_gpus_per_node" in text
+    assert tuned.dump() == plain.dump()
+
+
+def test_verls_renamed_keys_land_on_skips():
+    s = settings(
+        "algorithm.kl_ctrl.kl_coef=0.05",
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
+        "+reward_model.overlong_buffer.enable=True",
+        "+reward_model.overlong_buffer.len=8",
+        "+reward_model.reward_manager=dapo",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "+actor_rollout_ref.actor.clip_ratio=0.3",
+    )
+    assert s.algorithm.kl_coef == 0.05 and s.rollout.backend == "vllm" and s.rollout.multi_turn.max_turns == 2
+    assert s.reward.overlong_buffer.enable and s.reward.overlong_buffer.len == 8
+    assert s.actor.ppo_micro_batch_size == 8
+    assert (s.actor.clip_ratio_low, s.actor.clip_ratio_high) == (0.3, 0.3)
+
+
+def test_dapos_generation_batch_draws_more_prompts_than_a_step_trains():
+    s = settings("+data.gen_batch_size=32", "algorithm.filter_groups.enable=true")
+    assert (s.generation_batch_size, s.train_batch_size) == (32, 16)
+    assert s.namespace.gbs == 32
+
+
+def test_fully_asyncs_zero_batch_is_an_update_of_mini_batches():
+    s = settings(
+        "trainer.schedule=fully_async",
+        "data.train_batch_size=0",
+        "+data.gen_batch_size=1",
+        "async_training.require_batches=2",
+        "+rollout.total_rollout_steps=64",
+    )
+    assert s.train_batch_size == 2 * s.actor.ppo_mini_batch_size == 16
+    assert s.trainer.total_training_steps == 64 // 16
+    assert s.namespace.gbs == 1  # verl's fully-async namespace: GBS1
+
+
+def test_a_users_verl_shaped_yaml_is_read_through_the_same_aliases(tmp_path):
+    (tmp_path / "mine.yaml").write_text(
+        "defaults:\n  - run\n  - _self_\n"
+        "actor_rollout_ref:\n  rollout:\n    n: 8\n  actor:\n    ppo_mini_batch_size: 16\n"
+    )
+    s = RunSettings.from_config(compose_config(tmp_path, "mine", ()))
+    assert (s.rollout.n, s.actor.ppo_mini_batch_size, s.namespace.n) == (8, 16, 8)
+
+
+def test_a_null_task_says_its_options_are_unused():
+    with pytest.warns(UnusedKeysWarning, match=r"task\.train_size.*unused with task\.name=null"):
+        s = settings("task.name=null")
+    assert s.task.name is None
+
+
+def test_check_prints_the_resolved_settings_and_starts_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    result = CliRunner().invoke(
+        cli, ["run", "--check", "actor_rollout_ref.rollout.n=8", f"trainer.default_local_dir={run_dir}"]
+    )
+    assert result.exit_code == 0, result.output
+    assert re.search(r"^rollout:\n(  .*\n)*  n: 8$", result.output, re.M)
+    assert not run_dir.exists()
+
+
+def test_check_stops_in_the_one_line_a_run_would():
+    result = CliRunner().invoke(cli, ["run", "--check", "+model.lora_rank=8"])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        "Error: model.lora_rank: not implemented: skip trains every weight of the policy (no LoRA) "
+        "(verl's default is 0)"
+    ]
+
+
+def test_cfg_job_prints_the_composed_config_as_hydra_does():
+    result = CliRunner().invoke(cli, ["run", "--cfg", "job", "rollout.n=8"])
+    assert result.exit_code == 0, result.output
+    assert re.search(r"^  dir: \$\{trainer\.default_local_dir\}/profile$", result.output, re.M)  # unresolved, as Hydra
+    assert re.search(r"^  'n': 8$", result.output, re.M)  # OmegaConf quotes YAML 1.1's boolean n
+
+
+def test_a_custom_reward_function_is_loaded_from_the_file_verl_names(tmp_path):
+    from skip_plugin_trainer.train.reward import Rewarder, _score
+
+    source = tmp_path / "my_reward.py"
+    source.write_text(
+        "def judge(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': float(solution_str == ground_truth), 'acc': 1}\n"
+    )
+    s = settings(f"+custom_reward_function.path={source}", "+custom_reward_function.name=judge")  # verl 0.9's place
+    assert s.reward.custom_reward_function.path == str(source)
+    rewarder = Rewarder(s.reward, tokenizer=None, max_response_length=96)
+    assert _score(rewarder.fn("any", "42", "42", {})) == 1.0
+    assert _score(rewarder.fn("any", "41", "42", {})) == 0.0
+    rewarder.check_sources({"a source no task knows"}, "data.train_files")  # the user's function scores any row
+
+
+@pytest.mark.parametrize(
+    ("path", "name", "message"),
+    [
+        ("missing.py", "compute_score", r"custom_reward_function\.path: expected a Python file"),
+        ("my_reward.py", "absent", r"custom_reward_function\.name: .* has no function 'absent'"),
+        ("broken.py", "compute_score", r"custom_reward_function\.path: importing .* failed: ZeroDivisionError"),
+    ],
+)
+def test_a_custom_reward_function_that_cannot_load_is_one_line(tmp_path, path, name, message):
+    from skip_plugin_trainer.train.reward import Rewarder
+
+    (tmp_path / "my_reward.py").write_text("def compute_score(*args):\n    return 0.0\n")
+    (tmp_path / "broken.py").write_text("1 / 0\n")
+    s = settings(
+        f"+reward.custom_reward_function.path={tmp_path / path}", f"+reward.custom_reward_function.name={name}"
+    )
+    with pytest.raises(ConfigError, match=message):
+        Rewarder(s.reward, tokenizer=None, max_response_length=96)
