@@ -260,12 +260,13 @@ def _rollout_fields(config: Any) -> dict[str, Any]:
     raw = resolved.config
     try:
         check_top_level(raw, registered.sections, {"steps", "output_dir"})
+        steps = _job_steps(raw.get("steps"))  # before skip.rollout.steps, which skip rollout's yaml sets to it
         sections = parse_sections(raw, registered.sections)
         roles = parse_roles(raw.get("skip"), registered.roles)
         data, rollout = sections[DataConfig], sections[RolloutConfig]
         check_backend(rollout.backend, sections, registered.backends)
         task = _task(sections[TaskConfig], registered.tasks)
-        output_dir, steps = raw.get("output_dir"), _job_steps(raw.get("steps"))
+        output_dir = raw.get("output_dir")
     except ConfigError as exc:
         raise ConfigError(_as_written(str(exc), resolved)) from None
     if output_dir is not None and not isinstance(output_dir, str):

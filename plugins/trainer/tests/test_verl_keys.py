@@ -196,3 +196,11 @@ def test_a_custom_reward_function_that_cannot_load_is_one_line(tmp_path, path, n
     )
     with pytest.raises(ConfigError, match=message):
         Rewarder(s.reward, tokenizer=None, max_response_length=96)
+
+
+def test_skip_rollout_checks_as_skip_run_does():
+    result = CliRunner().invoke(cli, ["rollout", "--check", "actor_rollout_ref.rollout.n=2", "steps=1..3"])
+    assert result.exit_code == 0, result.output
+    assert re.search(r"^steps:\n- 1\.\.3$", result.output, re.M)
+    bad = CliRunner().invoke(cli, ["rollout", "--check", "+actor_rollout_ref.rollout.nn=2"])
+    assert bad.exit_code == 1 and bad.output.startswith("Error: actor_rollout_ref.rollout.nn (skip's rollout.nn)")
