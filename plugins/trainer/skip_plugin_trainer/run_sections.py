@@ -59,6 +59,8 @@ class DataConfig(BaseModel):
     train_batch_size: StrictInt = Field(1024, gt=0)
     # DAPO's: prompts each generation draws, when algorithm.filter_groups keeps train_batch_size of them
     gen_batch_size: StrictInt | None = Field(None, gt=0)
+    # verl's: keyword arguments of every chat-template rendering (Qwen3's enable_thinking=false)
+    apply_chat_template_kwargs: dict[StrictStr, Any] = {}
     shuffle: StrictBool = True
     seed: StrictInt = Field(0, ge=0)
 
@@ -118,6 +120,7 @@ class LoopConfig(RolloutConfig):
 
     prompt_length: PositiveInt
     response_length: PositiveInt
+    chat_template_kwargs: dict[str, Any] = {}  # data.apply_chat_template_kwargs
 
     @property
     def model_len(self) -> int:

@@ -274,7 +274,8 @@ def _rollout_fields(config: Any) -> dict[str, Any]:
     warning = resolved.warning()
     if warning:
         warnings.warn(warning, UnusedKeysWarning, stacklevel=4)
-    loop = LoopConfig(**dict(rollout), prompt_length=data.max_prompt_length, response_length=data.max_response_length)
+    lengths = {"prompt_length": data.max_prompt_length, "response_length": data.max_response_length}
+    loop = LoopConfig(**dict(rollout), **lengths, chat_template_kwargs=data.apply_chat_template_kwargs)
     model = sections[ModelConfig]
     return {
         "sections": sections,

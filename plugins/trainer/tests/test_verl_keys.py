@@ -204,3 +204,21 @@ def test_skip_rollout_checks_as_skip_run_does():
     assert re.search(r"^steps:\n- 1\.\.3$", result.output, re.M)
     bad = CliRunner().invoke(cli, ["rollout", "--check", "+actor_rollout_ref.rollout.nn=2"])
     assert bad.exit_code == 1 and bad.output.startswith("Error: actor_rollout_ref.rollout.nn (skip's rollout.nn)")
+
+
+def test_chat_template_kwargs_reach_every_rendering(task_dir):
+    """verl's ``data.apply_chat_template_kwargs`` (Qwen3 scripts pass enable_thinking=false):
+    the dataset's prompts and the agent loop's pieces are rendered with them."""
+    from skip_plugin_trainer.rollout.chat import ChatFormat
+    from transformers import AutoTokenizer
+
+    s = settings("+data.apply_chat_template_kwargs.enable_thinking=false")
+    assert s.data.apply_chat_template_kwargs == s.rollout.chat_template_kwargs == {"enable_thinking": False}
+    tokenizer = AutoTokenizer.from_pretrained(task_dir / "model")
+    tokenizer.chat_template = (
+        "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}"
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    )
+    messages = [{"role": "user", "content": "2+2?"}]
+    assert ChatFormat(tokenizer, s.data.apply_chat_template_kwargs).render(messages) == "<no-think>user: 2+2?\n"
+    assert ChatFormat(tokenizer).render(messages) == "user: 2+2?\n"

@@ -54,7 +54,7 @@ class RLDataset(torch.utils.data.Dataset):
         self.config = config
         self.tools_schemas = tools_schemas
         self.pad_token_id = _pad_token_id(tokenizer)
-        self._chat = ChatFormat(tokenizer)
+        self._chat = ChatFormat(tokenizer, config.apply_chat_template_kwargs)
         rows = read_rows(data_files(files, files_key))
         if not rows:
             raise ConfigError(f"{files_key}: the files hold no rows")

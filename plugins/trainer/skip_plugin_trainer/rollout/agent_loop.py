@@ -57,7 +57,7 @@ class AgentLoop:
         parser: ToolParser | None = None,
     ) -> None:
         self.backend, self.tokenizer, self.config = backend, tokenizer, config
-        self.chat = ChatFormat(tokenizer)
+        self.chat = ChatFormat(tokenizer, config.chat_template_kwargs)
         self.tools = dict(tools or {})
         self.parser = parser
         self.rollouts = 0  # batches really generated: a skip cache hit never reaches the loop

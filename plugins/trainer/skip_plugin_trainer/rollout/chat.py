@@ -23,10 +23,14 @@ class ChatTemplateError(ValueError):
 
 
 class ChatFormat:
-    def __init__(self, tokenizer: Any) -> None:
+    """``template_kwargs`` go to every rendering (verl's ``data.apply_chat_template_kwargs``,
+    e.g. Qwen3's ``enable_thinking``), so prompts and tool responses render alike."""
+
+    def __init__(self, tokenizer: Any, template_kwargs: Mapping[str, Any] | None = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ChatTemplateError(f"tokenizer {type(tokenizer).__name__} has no chat template")
         self.tokenizer = tokenizer
+        self.template_kwargs = dict(template_kwargs or {})
 
     def render(self, messages: Sequence[Mapping], tools: Sequence[Mapping] | None = None, generate: bool = True) -> str:
         return self.tokenizer.apply_chat_template(
@@ -34,6 +38,7 @@ class ChatFormat:
             tools=list(tools) if tools else None,
             add_generation_prompt=generate,
             tokenize=False,
+            **self.template_kwargs,
         )
 
     def encode(self, text: str) -> list[int]:
