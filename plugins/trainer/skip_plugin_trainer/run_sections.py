@@ -39,10 +39,19 @@ class TaskConfig(BaseModel):
 
 class ModelConfig(BaseModel):
     """``model``: a local Hugging Face model directory (the task's, when a task builds one).
-    verl's other ``model`` keys are GPU tuning or refused (``verl_keys``)."""
+
+    ``lora_rank`` > 0 trains LoRA adapters (peft) on ``target_modules`` (peft's names, or
+    ``all-linear``) minus ``exclude_modules``, scaled by ``lora_alpha`` / rank, instead of every
+    weight of the policy: verl's keys and defaults. verl's other ``model`` keys are GPU tuning or
+    refused (``verl_keys``).
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     path: str | None = None
+    lora_rank: NonNegativeInt = 0
+    lora_alpha: PositiveFloat = 16
+    target_modules: str | list[StrictStr] = "all-linear"
+    exclude_modules: str | list[StrictStr] | None = None
 
 
 class DataConfig(BaseModel):

@@ -195,6 +195,9 @@ class RunSettings(RolloutSettings):
             "rollout.n": self.rollout.n,
             "model.path": str(Path(self.model.path or "").expanduser().absolute()),
         }
+        if self.model.lora_rank:  # what the checkpoint's adapters are; absent without LoRA, as before it
+            lora = self.model.model_dump(mode="json", exclude={"path"})
+            fixed.update({f"model.{key}": value for key, value in lora.items()})
         unused = set() if self.use_critic else {"lam"}  # GAE's alone: older GRPO checkpoints lack it
         algorithm = self.algorithm.model_dump(mode="json", exclude={"rollout_correction", "filter_groups", *unused})
         return {**fixed, **{f"algorithm.{key}": value for key, value in algorithm.items()}}

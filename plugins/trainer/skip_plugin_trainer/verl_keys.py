@@ -129,16 +129,14 @@ UNUSED: dict[str, str] = {
     "rollout.mode": "skip's agent loop is always verl's async (server) mode",
     "algorithm.kl_ctrl.horizon": "verl reads it only with algorithm.kl_ctrl.type=adaptive, which skip refuses",
     "algorithm.kl_ctrl.target_kl": "verl reads it only with algorithm.kl_ctrl.type=adaptive, which skip refuses",
-    "model.lora_alpha": "verl reads it only with model.lora_rank > 0, which skip refuses",
-    "model.target_modules": "verl reads it only with model.lora_rank > 0, which skip refuses",
 }
 
 #: Keys skip accepts only at verl's default: skip path -> (that default, what skip does instead).
 #: A tuple of defaults lists the spellings of one value.
 UNIMPLEMENTED: dict[str, tuple[Any, str]] = {
     "actor.fsdp_config.model_dtype": (("fp32", "float32"), "skip trains in float32"),
-    "model.lora_rank": (0, "skip trains every weight of the policy (no LoRA)"),
-    "model.lora_adapter_path": (None, "skip trains every weight of the policy (no LoRA)"),
+    "model.lora_adapter_path": (None, "skip's LoRA starts from new adapters (model.lora_rank)"),
+    "critic.model.lora_rank": (0, "skip's critic trains every weight (model.lora_rank is the actor's)"),
     "model.external_lib": (None, "skip imports no module a config names"),
     "model.override_config": ({}, "skip loads model.path's config as it is"),
     "model.custom_chat_template": (None, "skip renders prompts with model.path's own chat template"),

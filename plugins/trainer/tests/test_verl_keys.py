@@ -20,8 +20,13 @@ def settings(*overrides: str, config_dir=None) -> RunSettings:
 
 @pytest.mark.parametrize("prefix", ["", "+", "++"])
 def test_a_verl_path_sets_skips_key_and_the_namespace_follows(prefix):
-    s = settings(f"{prefix}actor_rollout_ref.rollout.n=8", f"{prefix}actor_rollout_ref.actor.use_kl_loss=True")
-    assert (s.rollout.n, s.actor.use_kl_loss) == (8, True)
+    """The issue's cases: ++ once trained without the KL loss, and with n=4 under a namespace of N5."""
+    s = settings(
+        f"{prefix}actor_rollout_ref.rollout.n=8",
+        f"{prefix}actor_rollout_ref.actor.use_kl_loss=True",
+        f"{prefix}actor_rollout_ref.model.lora_rank=8",
+    )
+    assert (s.rollout.n, s.actor.use_kl_loss, s.model.lora_rank) == (8, True, 8)
     assert s.namespace.shape == "GBS16_N8_in160_out96"
 
 
@@ -43,9 +48,9 @@ def test_an_interpolation_of_the_shipped_config_follows_the_verl_path():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["+model.lora_rank=8"], r"^model\.lora_rank: not implemented: skip trains every weight"),
-        (["+actor_rollout_ref.model.lora_rank=8"], r"^actor_rollout_ref\.model\.lora_rank: not implemented"),
-        (["+model.foo=1"], r"^model\.foo: unknown key \(allowed: path\)"),
+        (["+critic.model.lora_rank=8"], r"^critic\.model\.lora_rank: not implemented: skip's critic trains every"),
+        (["+actor_rollout_ref.model.override_config.rope_theta=1"], r"^actor_rollout_ref\.model\.override_config: not"),
+        (["+model.foo=1"], r"^model\.foo: unknown key \(allowed: exclude_modules, lora_alpha, lora_rank, path, "),
         (["+data.foo=1"], r"^data\.foo: unknown key"),
         (
             ["++actor_rollout_ref.rollout.nn=3"],
@@ -147,11 +152,11 @@ def test_check_prints_the_resolved_settings_and_starts_nothing(tmp_path):
 
 
 def test_check_stops_in_the_one_line_a_run_would():
-    result = CliRunner().invoke(cli, ["run", "--check", "+model.lora_rank=8"])
+    result = CliRunner().invoke(cli, ["run", "--check", "+actor_rollout_ref.model.override_config.rope_theta=1"])
     assert result.exit_code == 1
     assert result.output.strip().splitlines() == [
-        "Error: model.lora_rank: not implemented: skip trains every weight of the policy (no LoRA) "
-        "(verl's default is 0)"
+        "Error: actor_rollout_ref.model.override_config: not implemented: skip loads model.path's config as it is "
+        "(verl's default is {})"
     ]
 
 
@@ -222,3 +227,25 @@ def test_chat_template_kwargs_reach_every_rendering(task_dir):
     messages = [{"role": "user", "content": "2+2?"}]
     assert ChatFormat(tokenizer, s.data.apply_chat_template_kwargs).render(messages) == "<no-think>user: 2+2?\n"
     assert ChatFormat(tokenizer).render(messages) == "user: 2+2?\n"
+
+
+def test_no_section_drops_a_key_it_does_not_declare():
+    """Every declared section and every skip.<role>, and every model nested in them, refuses an
+    unknown key (pydantic's default would drop it); only ``task`` takes its task's options, which
+    the task's own ``Options`` validates."""
+    import typing
+
+    from pydantic import BaseModel
+    from skip_core.plugins import registry
+
+    def models(model: type[BaseModel]):
+        yield model
+        for field in model.model_fields.values():
+            for kind in (field.annotation, *typing.get_args(field.annotation)):
+                if isinstance(kind, type) and issubclass(kind, BaseModel):
+                    yield from models(kind)
+
+    found = registry()
+    roots = [*found.sections.values(), *(role.config for role in found.roles.values())]
+    lax = {model.__name__ for root in roots for model in models(root) if model.model_config.get("extra") != "forbid"}
+    assert lax == {"TaskConfig"}

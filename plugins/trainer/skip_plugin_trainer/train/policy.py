@@ -7,6 +7,7 @@ logits that predict the response are the ``response_length`` positions before th
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections import defaultdict
@@ -19,6 +20,8 @@ from skip_core.batch import Batch
 
 from skip_plugin_trainer.algorithm_settings import ActorConfig, RolloutCorrection
 from skip_plugin_trainer.rollout.weights import Bucket, pack, plan
+from skip_plugin_trainer.run_sections import ModelConfig
+from skip_plugin_trainer.train import lora as peft_lora
 from skip_plugin_trainer.train import lr_schedule
 from skip_plugin_trainer.train.algorithm import (
     agg_loss,
@@ -32,7 +35,11 @@ from skip_plugin_trainer.train.located import Located
 
 
 class Policy(Located):
-    """The trained model, its optimizer, and (for KL) a frozen copy of the initial weights."""
+    """The trained model, its optimizer, and (for KL) a frozen copy of the initial weights.
+
+    With ``lora`` (``model.lora_rank`` > 0) the model carries peft adapters, the only weights
+    trained, and the reference is the base model with the adapters off (``train/lora.py``).
+    """
 
     def __init__(
         self,
@@ -45,6 +52,7 @@ class Policy(Located):
         seed: int = 0,
         threads: int | None = None,
         total_training_steps: int | None = None,
+        lora: ModelConfig | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
@@ -58,10 +66,15 @@ class Policy(Located):
         # Rollout log-probs are taken at the sampling temperature; greedy rollouts sample at 1.
         self.temperature = temperature or 1.0
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-        self.reference = copy.deepcopy(self.model).requires_grad_(False) if use_reference else None
+        self.lora = lora is not None and lora.lora_rank > 0
+        if self.lora:
+            self.model = peft_lora.with_adapters(self.model, lora)
+        self.use_reference = use_reference
+        self.reference = copy.deepcopy(self.model).requires_grad_(False) if use_reference and not self.lora else None
         optim = config.optim
+        trained = [parameter for parameter in self.model.parameters() if parameter.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+            trained, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
         )
         # The run's steps: a cosine decay or a warm-up ratio of ``optim`` needs them.
         self.total_training_steps = total_training_steps
@@ -80,10 +93,11 @@ class Policy(Located):
 
     @torch.no_grad()
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        if self.reference is None:
+        if not self.use_reference:
             raise RuntimeError("the policy was built without a reference model (no KL is configured)")
         micros = micro_batches(batch, self.config.ppo_micro_batch_size)
-        parts = [self._forward(self.reference, micro, entropy=False)[0] for micro in micros]
+        with peft_lora.base_only(self.model) if self.lora else contextlib.nullcontext(self.reference) as reference:
+            parts = [self._forward(reference, micro, entropy=False)[0] for micro in micros]
         return Batch({"ref_log_prob": torch.cat(parts)})
 
     def update(self, batch: Batch) -> dict[str, float]:
@@ -109,8 +123,8 @@ class Policy(Located):
         """Make the current weights the ones ``weight_bucket`` sends, in buckets of ``megabytes``;
         returns how many. ``keep`` snapshots them: an overlapped schedule trains on while they
         are sent, and a rollout worker restarted later must get these, not newer ones."""
-        tensors = untied(self.model.state_dict())
-        if keep:
+        tensors = untied(peft_lora.merged_state_dict(self.model) if self.lora else self.model.state_dict())
+        if keep and not self.lora:  # merged tensors are new ones already
             tensors = {name: tensor.detach().clone() for name, tensor in tensors.items()}
         self._published = tensors
         self._buckets = plan(((name, t.numel() * t.element_size()) for name, t in tensors.items()), megabytes)

@@ -132,6 +132,7 @@ class Cluster:
             seed=settings.trainer.seed,
             threads=threads,
             total_training_steps=total_steps,
+            lora=settings.model,
         )
         if settings.use_critic:
             path, n, seed = str(settings.model_path()), settings.rollout.n, settings.trainer.seed

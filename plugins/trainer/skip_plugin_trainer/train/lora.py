@@ -1,0 +1,63 @@
+"""LoRA on the policy (verl's ``model.lora_rank``): peft adapters on ``target_modules`` are all
+the actor trains; the base weights stay frozen.
+
+The rollout engines get the merged weights, ``W + scale x B @ A`` under the base model's own
+names, computed afresh at each sync: merging into the base in place and unmerging afterwards
+would move the frozen weights by a rounding error per sync. The reference policy (KL) is the
+base model, the adapters disabled, as in verl. A checkpoint holds peft's state dict (base and
+adapters under peft's names), so a resumed run continues the same adapters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from skip_plugin_trainer.run_sections import ModelConfig
+
+ADAPTER = "default"  # peft's name for the one adapter
+
+
+def with_adapters(model: Any, settings: ModelConfig) -> Any:
+    """``model`` wrapped by peft with trainable LoRA adapters (dropout 0, as verl sets it)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=settings.lora_rank,
+        lora_alpha=settings.lora_alpha,
+        target_modules=settings.target_modules,
+        exclude_modules=settings.exclude_modules,
+        lora_dropout=0.0,
+        bias="none",
+    )
+    return get_peft_model(model, config)
+
+
+def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
+    """The weights the adapters amount to, under the base model's names (what an engine loads)."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    deltas = {
+        f"{name}.base_layer.weight": module.get_delta_weight(ADAPTER)
+        for name, module in base.named_modules()
+        if isinstance(module, LoraLayer) and ADAPTER in module.lora_A
+    }
+    merged = {}
+    for name, tensor in base.state_dict().items():
+        if ".lora_" in name:
+            continue
+        if name in deltas:
+            tensor = tensor + deltas[name].to(tensor.dtype)
+        merged[name.replace(".base_layer.", ".")] = tensor
+    return merged
+
+
+@contextlib.contextmanager
+def base_only(model: Any) -> Iterator[Any]:
+    """The base model's forward (the adapters off): verl's reference policy under LoRA."""
+    with model.disable_adapter():
+        yield model
