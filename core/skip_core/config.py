@@ -1,8 +1,8 @@
 """The ``skip`` config section: typed models, one-line errors, and the run namespace.
 
 Config arrives as a whole run config (an OmegaConf ``DictConfig`` or a plain dict) with the
-top-level key ``skip``, like verl's. It is validated once, in ``SkipManager.init``; nothing
-later inside a training step reads raw config.
+top-level key ``skip``, like verl's. It is validated once: by ``SkipManager.init`` inside verl,
+by a trainer's own pass before ``SkipManager.activate``; nothing inside a step reads raw config.
 """
 
 from __future__ import annotations
