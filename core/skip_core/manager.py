@@ -239,6 +239,8 @@ class SkipManager:
         """Activate the enabled roles of ``roles`` (``skip.<role>`` already validated, by
         ``parse_roles`` or a trainer's own validation pass), caching under ``namespace``."""
         installed = registry().roles
+        if missing := sorted(name for name, config in roles.items() if config.enable and name not in installed):
+            raise ConfigError(f"skip.{missing[0]}: no installed plugin provides role {missing[0]!r}")
         active = {
             name: (installed[name], config, _open_store(name, config, namespace, setup))
             for name, config in roles.items()

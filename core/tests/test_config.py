@@ -187,3 +187,12 @@ def test_install_hints_name_only_distributions_this_repository_has(kind, name):
     project = tomllib.loads((ROOT / folder / "pyproject.toml").read_text())["project"]
     assert project["name"] == distribution
     assert install_hint(kind, "not-shipped") == ""
+
+
+def test_activate_refuses_an_enabled_role_nothing_installed_provides():
+    """A trainer's own validation pass hands ``activate`` typed sections: a role no plugin
+    provides is a line, not a KeyError."""
+    from skip_core.provenance import Setup
+
+    with pytest.raises(ConfigError, match=r"^skip\.judge: no installed plugin provides role 'judge'$"):
+        SkipManager.activate({"judge": RoleConfig(enable=True)}, Namespace(), Setup({}, {}))
