@@ -277,6 +277,7 @@ def _rollout_fields(config: Any) -> dict[str, Any]:
     warning = resolved.warning()
     if warning:
         warnings.warn(warning, UnusedKeysWarning, stacklevel=4)
+    _warn_lora_unused(sections[ModelConfig])
     lengths = {"prompt_length": data.max_prompt_length, "response_length": data.max_response_length}
     loop = LoopConfig(**dict(rollout), **lengths, chat_template_kwargs=data.apply_chat_template_kwargs)
     model = sections[ModelConfig]
@@ -305,6 +306,15 @@ def check_top_level(config: dict[str, Any], declared: dict[str, type[BaseModel]]
     for key in config:
         if key not in allowed and not is_hydra_marker(key):
             raise ConfigError(f"{key}: {unknown_key(str(key), allowed)}")
+
+
+def _warn_lora_unused(model: ModelConfig) -> None:
+    """LoRA's other keys mean nothing without ``model.lora_rank``: said, as verl would not."""
+    default = ModelConfig()
+    keys = ("lora_alpha", "target_modules", "exclude_modules")
+    given = [f"model.{key}" for key in keys if getattr(model, key) != getattr(default, key)]
+    if given and not model.lora_rank:
+        warnings.warn(f"{', '.join(given)}: unused with model.lora_rank=0 (no LoRA)", UnusedKeysWarning, stacklevel=5)
 
 
 def _as_written(message: str, resolved: Resolved) -> str:

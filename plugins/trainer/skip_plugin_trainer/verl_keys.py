@@ -19,6 +19,7 @@ is accepted and ignored.
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -415,7 +416,14 @@ def _total_rollout_steps(resolved: Resolved) -> None:
     batch = _get(config, "data.train_batch_size")
     if not isinstance(total, int) or total < 1 or not isinstance(batch, int) or batch < 1:
         raise ConfigError(f"rollout.total_rollout_steps: expected a number of prompts >= 1, got {total!r}")
-    _put(config, "trainer.total_training_steps", max(1, total // batch))
+    steps, before = max(1, total // batch), _get(config, "trainer.total_training_steps")
+    if before is not None and before != steps:  # the shipped run.yaml's 20, or the user's: said either way
+        warnings.warn(
+            f"rollout.total_rollout_steps={total}: sets trainer.total_training_steps to {steps} "
+            f"({total} prompts / {batch} per update), not {before}",
+            stacklevel=4,
+        )
+    _put(config, "trainer.total_training_steps", steps)
 
 
 _MAPPINGS: list[Callable[[Resolved], None]] = [

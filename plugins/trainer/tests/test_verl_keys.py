@@ -114,16 +114,23 @@ def test_dapos_generation_batch_draws_more_prompts_than_a_step_trains():
 
 
 def test_fully_asyncs_zero_batch_is_an_update_of_mini_batches():
-    s = settings(
+    with pytest.warns(
+        UserWarning, match=r"sets trainer\.total_training_steps to 4 \(64 prompts / 16 per update\), not 20"
+    ):
+        s = fully_async_settings()
+    assert s.train_batch_size == 2 * s.actor.ppo_mini_batch_size == 16
+    assert s.trainer.total_training_steps == 64 // 16
+    assert s.namespace.gbs == 1  # verl's fully-async namespace: GBS1
+
+
+def fully_async_settings() -> RunSettings:
+    return settings(
         "trainer.schedule=fully_async",
         "data.train_batch_size=0",
         "+data.gen_batch_size=1",
         "async_training.require_batches=2",
         "+rollout.total_rollout_steps=64",
     )
-    assert s.train_batch_size == 2 * s.actor.ppo_mini_batch_size == 16
-    assert s.trainer.total_training_steps == 64 // 16
-    assert s.namespace.gbs == 1  # verl's fully-async namespace: GBS1
 
 
 def test_a_users_verl_shaped_yaml_is_read_through_the_same_aliases(tmp_path):
@@ -249,3 +256,16 @@ def test_no_section_drops_a_key_it_does_not_declare():
     roots = [*found.sections.values(), *(role.config for role in found.roles.values())]
     lax = {model.__name__ for root in roots for model in models(root) if model.model_config.get("extra") != "forbid"}
     assert lax == {"TaskConfig"}
+
+
+def test_lora_keys_without_a_rank_are_said_to_be_unused():
+    with pytest.warns(UnusedKeysWarning, match=r"model\.lora_alpha: unused with model\.lora_rank=0"):
+        settings("actor_rollout_ref.model.lora_alpha=32")
+
+
+def test_lora_targets_that_match_no_layer_stop_the_check_in_one_line(task_dir):
+    args = ["run", "--check", f"task.dir={task_dir}", "task.train_size=64", "task.val_size=8", "task.warmup_steps=5"]
+    result = CliRunner().invoke(cli, [*args, "model.lora_rank=4", "model.target_modules=[nowhere_proj]"])
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith("Error: model.target_modules: Target modules {'nowhere_proj'} not found")
+    assert CliRunner().invoke(cli, [*args, "model.lora_rank=4", "model.target_modules=[q_proj,v_proj]"]).exit_code == 0

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from skip_core.config import ConfigError
 
 from skip_plugin_trainer.run_sections import ModelConfig
 
@@ -54,6 +55,19 @@ def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
             tensor = tensor + deltas[name].to(tensor.dtype)
         merged[name.replace(".base_layer.", ".")] = tensor
     return merged
+
+
+def check_targets(model_path: str, settings: ModelConfig) -> None:
+    """Refuse, before any worker starts, ``target_modules`` / ``exclude_modules`` that select no
+    layer of the model: adapters built on a weightless (meta) copy of its architecture."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    try:
+        with_adapters(model, settings)
+    except ValueError as exc:  # peft's NoMatchingPeftModuleError and its other refusals of the targets
+        raise ConfigError(f"model.target_modules: {str(exc).splitlines()[0]}") from None
 
 
 @contextlib.contextmanager

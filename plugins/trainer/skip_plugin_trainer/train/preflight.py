@@ -54,7 +54,12 @@ def check_writable(path: Path) -> None:
 
 def load_data(s: RunSettings, parts: RolloutParts) -> tuple[Any, PromptLoader, RLDataset | None, Rewarder]:
     """The tokenizer, the training prompts, the validation set (when validation runs) and the
-    rewarder, checked: every row's data_source has a scorer, and the workers split the validation set."""
+    rewarder, checked: every row's data_source has a scorer, and the workers split the validation
+    set; with LoRA, its target modules are checked against the model."""
+    if s.model.lora_rank:
+        from skip_plugin_trainer.train.lora import check_targets
+
+        check_targets(str(s.model_path()), s.model)
     tokenizer = load_tokenizer(s)
     loader = prompt_loader(s, tokenizer, parts.tools)
     val = None
