@@ -35,6 +35,23 @@ os.environ["VLLM_CACHE_ROOT"] = os.path.join(_COMPILE_CACHES.name, "vllm")
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_COMPILE_CACHES.name, "inductor")
 
 
+def _sglang_on_cpu() -> None:
+    """SGLang's engine on CPU through the stand-ins of tests/sglang_cpu (its README says what they
+    are), for this process and every process it starts: the engines' schedulers, Ray's workers,
+    the commands the tests run. Never where CUDA is: there SGLang's own kernels run."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    folder = str(ROOT / "tests" / "sglang_cpu")
+    sys.path.insert(0, folder)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [folder, os.environ.get("PYTHONPATH")]))
+    import sglang_on_cpu  # noqa: F401  # this process started before PYTHONPATH named it
+
+
+_sglang_on_cpu()
+
+
 def _tree_files() -> set[str] | None:
     """Untracked and ignored files of the checkout (the venv aside), or ``None`` outside a git checkout."""
     command = ["git", "status", "--porcelain", "--ignored", "--untracked-files=all", "--", ".", ":!.venv*"]

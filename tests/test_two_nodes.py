@@ -4,7 +4,8 @@ in its own mount namespace with a private ``/dev/shm`` (its object store) and te
 move between the nodes as between machines. The rollout pool asks for ``node_b``, which only
 the worker node offers, and the actor pool for ``node_a``. The run, cache and profile directories
 lie under the test's directory, which both nodes see, as on NFS. The driver runs on the head.
-Each schedule runs with ``hf`` and with ``vllm``; a third node, lost mid-run, stops the run.
+Each schedule runs with ``hf``, ``vllm`` and ``sglang`` (on CPU through tests/sglang_cpu); a
+third node, lost mid-run, stops the run.
 
 Giving a process its own mount namespace needs CAP_SYS_ADMIN (CI runs as root); without it the
 tests skip and say so.
@@ -53,6 +54,8 @@ VLLM = (
     "rollout.engine_kwargs.vllm.enforce_eager=true",
     "rollout.engine_kwargs.vllm.dtype=float32",
 )
+SGLANG = ("rollout.backend=sglang", "rollout.engine_kwargs.sglang.dtype=float32")
+ENGINES = pytest.mark.parametrize("backend", [(), VLLM, SGLANG], ids=["hf", "vllm", "sglang"])
 
 
 def test_sync_with_caching_and_profiling_across_two_nodes(cluster, task_dir, tmp_path):
@@ -64,12 +67,13 @@ def test_sync_with_caching_and_profiling_across_two_nodes(cluster, task_dir, tmp
     assert sorted(p.name for p in shape.iterdir() if p.name.isdigit()) == ["1", "2"]
 
 
-def test_sync_on_vllm_across_two_nodes_samples_with_the_trainers_weights(cluster, task_dir, tmp_path):
+@pytest.mark.parametrize("engine", [VLLM, SGLANG], ids=["vllm", "sglang"])
+def test_sync_on_an_engine_across_two_nodes_samples_with_the_trainers_weights(cluster, task_dir, tmp_path, engine):
     """The engine in float32, as the trainer computes. The tiny model scores 0, so advantages are
     0: the entropy bonus and the KL loss make step 1's update move the weights, which go to the
     other node in buckets of 0.5 MiB for step 2 to sample from."""
     weights = ("rollout.update_weights_bucket_megabytes=0.5", "actor.entropy_coeff=0.01", "actor.use_kl_loss=true")
-    skip_run(cluster, task_dir, tmp_path, *RUN, *VLLM, *weights)
+    skip_run(cluster, task_dir, tmp_path, *RUN, *engine, *weights)
     rows = metrics(tmp_path / "run")
     assert [row["step"] for row in rows] == [1, 2]
     # |engine prob - trainer prob| of the sampled tokens, measured in process: mean 5e-9, max 1e-7
@@ -81,13 +85,13 @@ def test_sync_on_vllm_across_two_nodes_samples_with_the_trainers_weights(cluster
         assert row["response_length/mean"] > 0
 
 
-@pytest.mark.parametrize("backend", [(), VLLM], ids=["hf", "vllm"])
+@ENGINES
 def test_one_step_off_across_two_nodes(cluster, task_dir, tmp_path, backend):
     skip_run(cluster, task_dir, tmp_path, *RUN, "trainer.schedule=one_step_off", *backend)
     assert [row["training/staleness"] for row in metrics(tmp_path / "run")] == [0.0, 1.0]
 
 
-@pytest.mark.parametrize("backend", [(), VLLM], ids=["hf", "vllm"])
+@ENGINES
 def test_fully_async_with_caching_across_two_nodes(cluster, task_dir, tmp_path, backend):
     cached = ("skip.async_rollout.enable=true", "skip.async_rollout.steps=1..16")
     skip_run(cluster, task_dir, tmp_path, *RUN, "trainer.schedule=fully_async", *backend, *cached)

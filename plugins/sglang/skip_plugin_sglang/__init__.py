@@ -1,7 +1,8 @@
-"""Rollout backend ``sglang``: SGLang's offline ``Engine`` in each rollout worker, on CUDA.
+"""Rollout backend ``sglang``: SGLang's offline ``Engine`` in each rollout worker.
 
 Select it with ``rollout.backend=sglang``; engine options live under ``rollout.engine_kwargs.sglang``
-(see the README). Without CUDA or without SGLang, the driver refuses the backend before any work.
+(see the README). Without SGLang, or on a CPU without SGLang's CPU kernels, the driver refuses the
+backend before any work. SGLang is imported only when the backend is built.
 """
 
 import os

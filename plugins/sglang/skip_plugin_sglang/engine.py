@@ -1,93 +1,124 @@
-"""The ``sglang`` rollout backend: one SGLang ``Engine`` per rollout worker, on CUDA.
+"""The ``sglang`` rollout backend: one SGLang ``Engine`` per rollout worker.
 
 The engine runs its scheduler in child processes; its tokenizer manager lives in this process
 and serves the event loop of its first request for good. As in the vllm backend, that loop is
 the backend's own, in a thread, so callers may use any loop and cancelling one aborts its request.
+
+What SGLang 0.5.23's API asks for, and this backend does:
+
+- per-request seeds hold only with ``enable_deterministic_inference`` (otherwise SGLang ignores
+  ``sampling_seed``), and in that mode a request without a seed gets a fixed one: every sample
+  is therefore its own request with its own seed, drawn here when the caller gave none;
+- ``update_weights_from_tensor`` runs only between ``begin_weight_update`` and
+  ``end_weight_update``: a sync is one such session, a call per bucket, one cache flush at the end;
+- ``Engine`` has no ``abort_request``: a cancelled request is aborted through the tokenizer manager.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import os
+import random
 from collections.abc import AsyncIterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from skip_core.backend import FinishReason, Generation, RolloutBackend, SamplingParams
+from skip_core.backend import FinishReason, Generation, RolloutBackend, SamplingParams, untied
 from skip_core.loop_thread import LoopThread
 
-from skip_plugin_sglang.options import SGLangOptions
+from skip_plugin_sglang.options import SGLangOptions, on_cpu
 
+log = logging.getLogger(__name__)
 FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+SEEDS = 2**63  # SGLang keeps seeds as int64
 
 
 class SGLangBackend(RolloutBackend):
     """``engine`` is SGLang's ``Engine``, public for inspection and benchmarks."""
 
     def __init__(self, options: SGLangOptions, model_dir: Path):
+        self.cpu = on_cpu()
+        if self.cpu:
+            os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # read at import, here and in the scheduler processes
         import sglang
 
-        self.options = options
-        self.engine = sglang.Engine(**options.engine_args(model_dir))
+        self.options, self.model_dir = options, model_dir
+        self.engine = sglang.Engine(**options.engine_args(model_dir, cpu=self.cpu))
         self._loop = LoopThread("skip-sglang")
         self._calls = itertools.count()  # SGLang ids must be unique; a request's turns reuse ours
+        self._unseeded = random.Random()
+        self._said_no_sleep = False
         self._closed = False
+        if not options.enable_deterministic_inference:
+            log.warning(
+                "sglang backend: rollout.engine_kwargs.sglang.enable_deterministic_inference=false: "
+                "SGLang ignores per-request seeds, so seeded requests are not reproducible"
+            )
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str) -> list[Generation]:
         if self._closed:
             raise RuntimeError(f"sglang backend: request {request_id!r} after shutdown()")
         if not prompt_ids:
             raise ValueError(f"sglang backend: request {request_id!r} has an empty prompt")
-        rid = f"{request_id}-{next(self._calls)}"
-        call = self.engine.async_generate(
-            input_ids=[int(t) for t in prompt_ids], sampling_params=_sampling(params), return_logprob=True, rid=rid
-        )
+        ids = [int(t) for t in prompt_ids]
+        samples = [
+            asyncio.ensure_future(self._loop.run_async(self._one(ids, _sampling(params, seed), self._rid(request_id))))
+            for seed in self._seeds(params)
+        ]
         try:
-            outputs = await self._loop.run_async(call)
-        except asyncio.CancelledError:
+            outputs = await asyncio.gather(*samples)
+        except BaseException as exc:
+            for sample in samples:
+                sample.cancel()  # the others would run on for nothing
+            if isinstance(exc, Exception):
+                raise RuntimeError(f"sglang backend: request {request_id!r}: {exc}") from exc
             raise
-        except Exception as exc:
-            raise RuntimeError(f"sglang backend: request {request_id!r}: {exc}") from exc
-        outputs = outputs if isinstance(outputs, list) else [outputs]
         return [_generation(output, request_id) for output in outputs]
 
     async def update_weights(self, buckets: AsyncIterable[Mapping[str, Any]]) -> None:
+        from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput, EndWeightUpdateReqInput
+
         if self._closed:
             raise RuntimeError("sglang backend: update_weights after shutdown()")
-        async for bucket in buckets:
-            await self._load(bucket)
+        await self._manager("begin_weight_update", BeginWeightUpdateReqInput(), None)
+        try:
+            async for bucket in buckets:
+                await self._load(bucket)
+        finally:
+            await self._manager("end_weight_update", EndWeightUpdateReqInput(), None)
+        await self._manager("flush_cache")  # cached prefixes hold keys and values of the old weights
 
     async def _load(self, bucket: Mapping[str, Any]) -> None:
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
         from sglang.srt.utils import MultiprocessingSerializer
 
-        named = [(name, tensor.detach()) for name, tensor in bucket.items()]
+        named = [(name, tensor.detach()) for name, tensor in untied(bucket).items()]
+        payload = MultiprocessingSerializer.serialize(named)  # one per TP rank: each takes its own
         request = UpdateWeightsFromTensorReqInput(
-            serialized_named_tensors=[MultiprocessingSerializer.serialize(named) for _ in range(self.options.tp_size)],
-            load_format=None,
-            flush_cache=True,  # cached prefixes hold keys and values of the old weights
+            serialized_named_tensors=[payload] * self.options.tp_size, load_format=None, flush_cache=False
         )
-        result = await self._manager("update_weights_from_tensor", request, None)
-        success, message = result[:2] if isinstance(result, tuple) else (result.success, result.message)
+        success, message = _outcome(await self._manager("update_weights_from_tensor", request, None))
         if not success:
             raise RuntimeError(f"sglang backend: update_weights failed: {message}")
 
     async def sleep(self) -> None:
         from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
 
-        if self.options.enable_memory_saver:
+        if self._memory_saver():
             await self._manager("release_memory_occupation", ReleaseMemoryOccupationReqInput(), None)
 
     async def wake_up(self) -> None:
         from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
 
-        if self.options.enable_memory_saver:
+        if self._memory_saver():
             await self._manager("resume_memory_occupation", ResumeMemoryOccupationReqInput(), None)
 
     async def pause(self) -> None:
         from sglang.srt.managers.io_struct import PauseGenerationReqInput
 
-        # "abort": requests running return what they have, finish reason abort.
+        # "abort": requests running return what they have, finish reason abort; new ones wait for continue.
         await self._manager("pause_generation", PauseGenerationReqInput(mode="abort"))
 
     async def resume(self) -> None:
@@ -103,13 +134,38 @@ class SGLangBackend(RolloutBackend):
         await asyncio.to_thread(self.engine.shutdown)
         self._loop.stop()
 
+    async def _one(self, ids: list[int], sampling: dict[str, Any], rid: str) -> Mapping[str, Any]:
+        """One sample, on the engine's loop."""
+        try:
+            call = self.engine.async_generate(input_ids=ids, sampling_params=sampling, return_logprob=True, rid=rid)
+            return await call
+        except asyncio.CancelledError:
+            self.engine.tokenizer_manager.abort_request(rid=rid)  # the scheduler would run it to its end
+            raise
+
+    def _seeds(self, params: SamplingParams) -> list[int]:
+        """Sample i of a seeded request draws from ``(seed, i)``; unseeded samples from fresh seeds."""
+        if params.seed is None:
+            return [self._unseeded.randrange(SEEDS) for _ in range(params.n)]
+        return [(params.seed * 1_000_003 + i) % SEEDS for i in range(params.n)]
+
+    def _rid(self, request_id: str) -> str:
+        return f"{request_id}-{next(self._calls)}"
+
+    def _memory_saver(self) -> bool:
+        saver = self.options.enable_memory_saver and not self.cpu
+        if not saver and not self._said_no_sleep:
+            self._said_no_sleep = True
+            why = "on CPU SGLang's memory saver does not exist" if self.cpu else "enable_memory_saver=false"
+            log.warning(f"sglang backend: {why}; sleep() and wake_up() do nothing")
+        return saver
+
     async def _manager(self, method: str, *args: Any) -> Any:
         return await self._loop.run_async(getattr(self.engine.tokenizer_manager, method)(*args))
 
 
-def _sampling(params: SamplingParams) -> dict[str, Any]:
-    sampling = {
-        "n": params.n,
+def _sampling(params: SamplingParams, seed: int) -> dict[str, Any]:
+    return {
         "temperature": params.temperature,
         "top_p": params.top_p,
         "top_k": params.top_k,
@@ -117,10 +173,12 @@ def _sampling(params: SamplingParams) -> dict[str, Any]:
         "stop": list(params.stop),
         "stop_token_ids": list(params.stop_token_ids),
         "no_stop_trim": True,  # the completion keeps the tokens that completed a stop string
+        "sampling_seed": seed,
     }
-    if params.seed is not None:
-        sampling["sampling_seed"] = params.seed
-    return sampling
+
+
+def _outcome(result: Any) -> tuple[bool, str]:
+    return tuple(result[:2]) if isinstance(result, tuple) else (result.success, result.message)
 
 
 def _generation(output: Mapping[str, Any], request_id: str) -> Generation:

