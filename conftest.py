@@ -10,7 +10,7 @@ import pytest
 from hypothesis.configuration import set_hypothesis_home_dir
 from skip_core import SkipManager
 from skip_core.plugins import load_plugins
-from skiptests import ROOT, Generator, HeldDumps
+from skiptests import ROOT, Generator, HeldDumps, sglang_on_cpu
 
 # Python's and pytest's own caches; everything else a test writes belongs in a temporary directory.
 TOOL_CACHES = ("__pycache__/", ".pytest_cache/")
@@ -34,22 +34,8 @@ _COMPILE_CACHES = tempfile.TemporaryDirectory(prefix="skip-tests-compile-")
 os.environ["VLLM_CACHE_ROOT"] = os.path.join(_COMPILE_CACHES.name, "vllm")
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_COMPILE_CACHES.name, "inductor")
 
-
-def _sglang_on_cpu() -> None:
-    """SGLang's engine on CPU through the stand-ins of tests/sglang_cpu (its README says what they
-    are), for this process and every process it starts: the engines' schedulers, Ray's workers,
-    the commands the tests run. Never where CUDA is: there SGLang's own kernels run."""
-    import torch
-
-    if torch.cuda.is_available():
-        return
-    folder = str(ROOT / "tests" / "sglang_cpu")
-    sys.path.insert(0, folder)
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [folder, os.environ.get("PYTHONPATH")]))
-    import sglang_on_cpu  # noqa: F401  # this process started before PYTHONPATH named it
-
-
-_sglang_on_cpu()
+# SGLang on CPU, for this process and every process it starts (tests/sglang_cpu/README.md).
+sglang_on_cpu()
 
 
 def _tree_files() -> set[str] | None:

@@ -7,7 +7,13 @@ The same ``--requests`` prompts of the embedded task (chat template applied), gr
     vllm, engine itself      every request sent straight to vLLM's AsyncLLM at once (asyncio.gather):
                              the engine's own continuous batching, no skip code in the way
     vllm, skip agent loop    AgentLoop.generate_sequences on the vllm backend: the path of a rollout
+    sglang, engine itself    every prompt in one call of SGLang's Engine.async_generate: its own batch
+    sglang, skip agent loop  the agent loop on the sglang backend (a request per sample, seeded)
     hf, skip agent loop      the same on the hf backend (CPU reference)
+
+``vs engine`` is a variant's rate over its own engine's (hf's: over the first engine's).
+``--engines`` picks the engines (on CPU, sglang runs through tests/sglang_cpu, which the script
+puts on the path where torch finds no CUDA).
 
 The model has the embedded default's shape (Llama, 2 layers, hidden 256, head_dim 32) with its
 own weights plus noise and a sharpened final norm, so greedy decoding runs long instead of
@@ -16,15 +22,17 @@ a new order each round after one untimed warm-up; the table gives medians. ``wei
 ``update_weights`` of the full state dict (median of 5), with ``--sync-model 0.5b`` on a 0.5B
 Qwen2-shaped model built from a config with random weights (nothing is downloaded).
 
-Run: ``python benchmarks/bench_backends.py --requests 64 --repeat 3``
+Run: ``python benchmarks/bench_backends.py --requests 64 256 --repeat 3``
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,10 +44,15 @@ from skip_core.batch import Batch
 from skip_core.sections import Sections
 from skip_plugin_arithmetic.task import ArithmeticOptions, ArithmeticTask, problems, prompt
 from skip_plugin_hf.config import HFConfig
+from skip_plugin_sglang.options import SGLangOptions
 from skip_plugin_trainer.rollout.agent_loop import AgentLoop
 from skip_plugin_trainer.run_sections import LoopConfig
 from skip_plugin_vllm.options import VLLMOptions
 from transformers import AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from skiptests import sglang_on_cpu
 
 
 def build_model(directory: Path) -> Path:
@@ -67,15 +80,16 @@ def build_half_billion(directory: Path, tokenizer_dir: Path) -> Path:
     return directory
 
 
-# Both backends' options, as a run would validate them from its config.
+# The backends' options, as a run would validate them from its config.
 ENGINES = Sections(
     VLLMOptions(dtype="float32", max_model_len=1024, enforce_eager=True, cpu_kvcache_space_gb=2),
+    SGLangOptions(dtype="float32", context_length=1024),
     HFConfig(device="cpu", max_batch_size=256),
 )
 
 
 class Bench:
-    def __init__(self, model_dir: Path, requests: int, max_new_tokens: int) -> None:
+    def __init__(self, model_dir: Path, requests: int, max_new_tokens: int, engines: list[str]) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.messages = [prompt(expression) for expression, _ in problems("bench", requests, seed=0)]
         self.ids = [
@@ -83,12 +97,22 @@ class Bench:
             for m in self.messages
         ]
         self.max_new_tokens = max_new_tokens
-        self.vllm = create_backend("vllm", ENGINES, model_dir)
-        self.hf = create_backend("hf", ENGINES, model_dir)
+        self.backends = {name: create_backend(name, ENGINES, model_dir) for name in [*engines, "hf"]}
         config = LoopConfig(prompt_length=256, response_length=max_new_tokens, temperature=0.0, seed=0)
-        self.loops = {name: AgentLoop(getattr(self, name), self.tokenizer, config) for name in ("vllm", "hf")}
+        self.loops = {name: AgentLoop(backend, self.tokenizer, config) for name, backend in self.backends.items()}
 
-    def engine_itself(self) -> int:
+    def engine_itself(self, name: str) -> int:
+        return self.vllm_itself() if name == "vllm" else self.sglang_itself()
+
+    def sglang_itself(self) -> int:
+        backend = self.backends["sglang"]
+        params = {"temperature": 0.0, "max_new_tokens": self.max_new_tokens}
+        call = backend.engine.async_generate(input_ids=self.ids, sampling_params=params, return_logprob=True)
+        # The engine serves the backend's loop (its tokenizer manager binds to the loop of its first call).
+        outputs = backend._loop.run(call)
+        return sum(len(out["meta_info"]["output_token_logprobs"]) for out in outputs)
+
+    def vllm_itself(self) -> int:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -96,8 +120,10 @@ class Bench:
             temperature=0.0, max_tokens=self.max_new_tokens, logprobs=0, stop_token_ids=[self.tokenizer.eos_token_id]
         )
 
+        vllm = self.backends["vllm"]
+
         async def one(i: int, ids: list[int]) -> int:
-            async for out in self.vllm.engine.generate(TokensPrompt(prompt_token_ids=ids), params, f"direct-{i}"):
+            async for out in vllm.engine.generate(TokensPrompt(prompt_token_ids=ids), params, f"direct-{i}"):
                 final = out
             return len(final.outputs[0].token_ids)
 
@@ -105,7 +131,7 @@ class Bench:
             return await asyncio.gather(*(one(i, ids) for i, ids in enumerate(self.ids)))
 
         # The engine serves the backend's loop (vLLM binds its output handler to one loop).
-        return sum(asyncio.run_coroutine_threadsafe(every(), self.vllm._loop).result())
+        return sum(vllm._loop.run(every()))
 
     def agent_loop(self, name: str) -> int:
         batch = Batch.from_dict(non_tensors={"raw_prompt": self.messages}, meta_info={"global_steps": 1})
@@ -136,19 +162,22 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--sync-model", choices=["embedded", "0.5b"], default="embedded")
+    parser.add_argument("--engines", nargs="+", choices=["vllm", "sglang"], default=["vllm", "sglang"])
     args = parser.parse_args()
+    if "sglang" in args.engines:
+        sglang_on_cpu()
     with tempfile.TemporaryDirectory(prefix="skip-bench-backends-") as tmp:
         model_dir = build_model(Path(tmp) / "embedded")
-        bench = Bench(model_dir, max(args.requests), args.max_new_tokens)
+        bench = Bench(model_dir, max(args.requests), args.max_new_tokens, args.engines)
         print(f"{'variant':<24} {'requests':>8} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'vs engine':>9}")
         messages, ids = bench.messages, bench.ids
         for count in args.requests:
             bench.messages, bench.ids = messages[:count], ids[:count]
-            variants = {
-                "vllm, engine itself": bench.engine_itself,
-                "vllm, skip agent loop": lambda: bench.agent_loop("vllm"),
-                "hf, skip agent loop": lambda: bench.agent_loop("hf"),
-            }
+            variants = {}
+            for engine in args.engines:
+                variants[f"{engine}, engine itself"] = functools.partial(bench.engine_itself, engine)
+                variants[f"{engine}, skip agent loop"] = functools.partial(bench.agent_loop, engine)
+            variants["hf, skip agent loop"] = functools.partial(bench.agent_loop, "hf")
             runs: dict[str, list[tuple[float, int]]] = {name: [] for name in variants}
             for round_ in range(args.repeat + 1):
                 order = list(variants)
@@ -160,18 +189,19 @@ def main() -> None:
             rates = {name: statistics.median(t / s for s, t in results) for name, results in runs.items()}
             for name, results in runs.items():
                 seconds, tokens = statistics.median(s for s, _ in results), results[0][1]
-                ratio = rates[name] / rates["vllm, engine itself"]
+                engine = name.split(",")[0] if name.split(",")[0] in args.engines else args.engines[0]
+                ratio = rates[name] / rates[f"{engine}, engine itself"]
                 print(f"{name:<24} {count:>8} {tokens:>7} {seconds:>8.2f} {rates[name]:>9.0f} {ratio:>8.2f}x")
         sync_dir = model_dir if args.sync_model == "embedded" else build_half_billion(Path(tmp) / "half", model_dir)
         state = load_file(sync_dir / "model.safetensors")
         params = sum(t.numel() for t in state.values())
         if args.sync_model == "embedded":
-            backends = {"vllm": bench.vllm, "hf": bench.hf}
+            backends = bench.backends
         else:
-            backends = {name: create_backend(name, ENGINES, sync_dir) for name in ("vllm", "hf")}
+            backends = {name: create_backend(name, ENGINES, sync_dir) for name in bench.backends}
         for name, backend in backends.items():
             milliseconds = sync_seconds(backend, state) * 1000
-            print(f"weight sync, {name:<5} {params / 1e6:>8.1f}M parameters: {milliseconds:>8.1f} ms")
+            print(f"weight sync, {name:<6} {params / 1e6:>8.1f}M parameters: {milliseconds:>8.1f} ms")
 
 
 if __name__ == "__main__":

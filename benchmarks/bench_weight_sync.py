@@ -2,8 +2,10 @@
 
 A 0.5B-parameter Qwen2-shaped policy (Qwen2-0.5B's config, random weights, built here: nothing is
 downloaded) sits in a ``Policy`` actor on node A; 1, then 4, rollout workers on node B hold
-the same model, in the ``hf`` engine or (``--backend vllm``) in a vLLM engine, eager, float32,
-whose worker process reads each bucket from a file in node B's /dev/shm. Each sync is the
+the same model, in the ``hf`` engine, or (``--backend vllm``) in a vLLM engine, eager, float32,
+whose worker process reads each bucket from a file in node B's /dev/shm, or (``--backend
+sglang``) in an SGLang engine, float32, which takes each bucket in ``update_weights_from_tensor``
+between ``begin_weight_update`` and ``end_weight_update`` (on CPU through tests/sglang_cpu). Each sync is the
 trainer's own path (``RolloutGroup.update_weights``: the actor publishes, each bucket goes into
 the object store once and is loaded by every worker, one bucket ahead). Beside it, in the same
 run, the raw transfer of the same bytes: ``ray.put`` of one array on node A, ``ray.get`` on node
@@ -19,6 +21,7 @@ held at once.
 
     python benchmarks/bench_weight_sync.py --rounds 3 --bucket-mb 512
     python benchmarks/bench_weight_sync.py --backend vllm --workers 1
+    python benchmarks/bench_weight_sync.py --backend sglang --workers 1
 
 With vLLM the receiver's extra RSS is that of the worker actor and its engine's processes
 together; the bucket files' pages count in the engine worker's RSS once it maps them.
@@ -43,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from ray_nodes import namespaces_refused, node_env, two_nodes  # noqa: E402
+from skiptests import sglang_on_cpu  # noqa: E402
 
 QWEN2_05B = {  # Qwen/Qwen2-0.5B's config.json
     "hidden_size": 896,
@@ -202,6 +206,8 @@ VLLM = (
     "rollout.engine_kwargs.vllm.max_model_len=512",
     "rollout.engine_kwargs.vllm.cpu_kvcache_space_gb=1",
 )
+SGLANG = ("rollout.backend=sglang", "rollout.engine_kwargs.sglang.dtype=float32")
+ENGINES = {"hf": ("rollout.hf.device=cpu",), "vllm": VLLM, "sglang": SGLANG}
 
 
 def _load_alone(worker, model: str, megabytes: float, version: int) -> float:
@@ -227,8 +233,7 @@ def bucketed(model: Path, workers: int, megabytes: float, rounds: int, backend: 
     from skip_plugin_trainer.train.rollout_group import RolloutGroup, WeightSource
     from skip_plugin_trainer.train.workers import RolloutWorker
 
-    engine = VLLM if backend == "vllm" else ("rollout.hf.device=cpu",)
-    config = compose_config(None, "run", (f"model.path={model}", "task.name=null", *engine))
+    config = compose_config(None, "run", (f"model.path={model}", "task.name=null", *ENGINES[backend]))
     settings = RolloutSettings.from_config(config)
     actor = ray.remote(Policy).options(resources={"node_a": 0.01}, num_cpus=0)
     actor = actor.remote(str(model), ActorConfig(ppo_mini_batch_size=1), samples_per_prompt=1)
@@ -237,7 +242,7 @@ def bucketed(model: Path, workers: int, megabytes: float, rounds: int, backend: 
     group = RolloutGroup(lambda: spawned)
     ray.get([w.__ray_ready__.remote() for w in [actor, *spawned]])
     ray.get(actor.__ray_call__.remote(lambda policy: _touch(policy.model)))
-    if backend == "hf":  # a vLLM engine's weights are its own copy, resident once loaded
+    if backend == "hf":  # an engine's weights are its own copy, resident once loaded
         ray.get([w.__ray_call__.remote(lambda worker: _touch(worker.loop.backend.model)) for w in spawned])
     source = WeightSource(actor, megabytes, keep=False)
     receivers = [_family(_pid(w)) for w in spawned]
@@ -312,7 +317,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, default=512)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="the rollout workers' engine")
+    parser.add_argument("--backend", choices=list(ENGINES), default="hf", help="the rollout workers' engine")
     parser.add_argument("--layers", type=int, default=None, help="fewer layers for a quick try (default: 24)")
     parser.add_argument("--address", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -327,6 +332,8 @@ def main() -> None:
         directory = Path(tmp)
         # vLLM's caches (else ~/.cache/vllm), for the nodes' workers, which inherit the environment.
         os.environ["VLLM_CACHE_ROOT"] = str(directory / "vllm-cache")
+        if args.backend == "sglang":
+            sglang_on_cpu()  # PYTHONPATH, which the nodes' workers inherit
         print("building the model ...", flush=True)
         model = build_model(directory, args.layers)
         nodes = directory / "nodes"

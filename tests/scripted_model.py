@@ -98,14 +98,15 @@ def make_loop(tokenizer, backend, tools=None, **config):
 
 
 HELD = "held_hf"
-HELD_VLLM = "held_vllm"
+ENGINES = ("vllm", "sglang")  # held_vllm, held_sglang: built only where the engine is installed
 DYING = "dying_hf"
 DYING_IN_SYNC = "dying_in_sync_hf"
 
 
 class HeldUntilPaused(RolloutBackend):
-    """A real engine (``hf`` or ``vllm``), except that the first request it gets waits for the engine's first
-    pause (a weight sync with partial rollout) and then ends as cut before its first token.
+    """A real engine (``hf``, ``vllm`` or ``sglang``), except that the first request it gets waits
+    for the engine's first pause (a weight sync with partial rollout) and then ends as cut before
+    its first token.
 
     A sync is then certain to land while a request generates, however fast the others run or
     however busy the machine. Only for runs that pause (``async_training.partial_rollout``):
@@ -228,13 +229,14 @@ class _HeldPlugin:
     @hookimpl
     def skip_register_backends(self, register):
         register(HELD, HeldFactory("hf"))
-        register(HELD_VLLM, HeldFactory("vllm"))  # built only where vllm is installed
+        for engine in ENGINES:
+            register(f"held_{engine}", HeldFactory(engine))
         register(DYING, HeldFactory("hf", DiesAfterSyncs))
         register(DYING_IN_SYNC, HeldFactory("hf", functools.partial(DiesAfterSyncs, syncs=0, in_sync=True)))
 
 
 def register_held_backend() -> None:
-    """Make ``rollout.backend=held_hf`` (and ``held_vllm``, ``dying_hf``) available in this process;
+    """Make ``rollout.backend=held_hf`` (and ``held_vllm``, ``held_sglang``, ``dying_hf``) available in this process;
     every worker of the suite's Ray runs it at start (``ray_session``), a test's driver through
     ``held_backend``."""
     from skip_core.plugins import pm

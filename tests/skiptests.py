@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 import threading
 from pathlib import Path
 
@@ -127,3 +128,16 @@ def assert_umask_modes(root, mask: int) -> None:
     for name, mode in modes(root).items():
         expected = (0o777 if (root / name).is_dir() else 0o666) & ~mask
         assert mode == expected, f"{name}: {mode:o}, expected {expected:o}"
+
+
+def sglang_on_cpu() -> None:
+    """SGLang's engine on CPU through the stand-ins of tests/sglang_cpu (its README says what they
+    are), for this process and every process it starts: the engines' schedulers, Ray's workers,
+    the commands the tests run. Never where CUDA is: there SGLang's own kernels run."""
+    if torch.cuda.is_available():
+        return
+    folder = str(ROOT / "tests" / "sglang_cpu")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [folder, os.environ.get("PYTHONPATH")]))
+    import sglang_on_cpu  # noqa: F401  # this process started before PYTHONPATH named the folder

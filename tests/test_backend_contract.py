@@ -2,7 +2,7 @@
 (its CPU path with the stand-ins of tests/sglang_cpu), on the embedded model, with the hf
 backend and the trainer's policy as references. One engine per backend serves the module
 (pytest runs every test of one engine before it starts the next); vLLM's at its default of a
-compiled model (torch.compile; 40 s to start): the runs of test_vllm_commands.py start theirs
+compiled model (torch.compile; 40 s to start): the runs of test_engine_commands.py start theirs
 eager, so both kernels are exercised. Every call runs on one event loop, as in the agent loop,
 because the engines bind their output handlers to the loop of their first request. The last
 test shuts the engine down."""

