@@ -298,7 +298,7 @@ def test_cancelling_a_request_aborts_it_in_the_engine(loop, engine, backend, pro
     with weights(loop, noisy, backend):
 
         async def cancelled():
-            params = SamplingParams(temperature=0.0, max_new_tokens=400, n=2)
+            params = SamplingParams(temperature=1.0, max_new_tokens=400, n=2, seed=3)
             call = asyncio.ensure_future(backend.generate(prompts[0], params, "cancelled"))
             while engine.unfinished(backend) < 1:
                 await asyncio.sleep(0.01)
