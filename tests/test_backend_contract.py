@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +39,7 @@ from skip_plugin_trainer.train.policy import Policy
 from transformers import AutoTokenizer
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=48)
+SIGQUIT = signal.getsignal(signal.SIGQUIT)  # before any engine: SGLang's sets its own
 
 
 @dataclass(frozen=True)
@@ -333,8 +337,11 @@ def test_sleep_and_wake_up_are_no_ops_on_cpu_said_once(loop, engine, backend, pr
 
 
 def test_shutdown_ends_requests_in_flight_with_abort_and_refuses_new_ones(loop, engine, backend, prompts, noisy):
-    """Last: the engine is gone after it (the fixture's own shutdown then does nothing)."""
+    """Last: the engine is gone after it (the fixture's own shutdown then does nothing). The
+    host's other processes outlive it (SGLang's own shutdown SIGKILLs every child of the host:
+    in this suite, Ray's processes), and the host's SIGQUIT handler is back."""
     loop(backend.update_weights(one_bucket(noisy)))
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 
     async def shut():
         params = SamplingParams(temperature=0.0, max_new_tokens=400)
@@ -349,3 +356,8 @@ def test_shutdown_ends_requests_in_flight_with_abort_and_refuses_new_ones(loop, 
     with pytest.raises(RuntimeError, match=rf"{engine.name} backend: request 'late' after shutdown\(\)"):
         loop(backend.generate(prompts[0], GREEDY, "late"))
     loop(backend.shutdown())  # twice is once
+    alive = bystander.poll() is None
+    bystander.kill()
+    bystander.wait()
+    assert alive, "the engine's shutdown killed a process of the host's"
+    assert signal.getsignal(signal.SIGQUIT) == SIGQUIT

@@ -11,7 +11,10 @@ What SGLang 0.5.23's API asks for, and this backend does:
   is therefore its own request with its own seed, drawn here when the caller gave none;
 - ``update_weights_from_tensor`` runs only between ``begin_weight_update`` and
   ``end_weight_update``: a sync is one such session, a call per bucket, one cache flush at the end;
-- ``Engine`` has no ``abort_request``: a cancelled request is aborted through the tokenizer manager.
+- ``Engine`` has no ``abort_request``: a cancelled request is aborted through the tokenizer manager;
+- ``Engine.shutdown()`` SIGKILLs every child process of the process hosting the engine, and the
+  handler it installs for a failed child kills that process and all its children: the backend
+  ends only the engine's own processes, and puts the host's handler back.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import itertools
 import logging
 import os
 import random
+import signal
+import threading
 from collections.abc import AsyncIterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,10 +47,15 @@ class SGLangBackend(RolloutBackend):
         self.cpu = on_cpu()
         if self.cpu:
             os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # read at import, here and in the scheduler processes
+        import psutil
         import sglang
 
         self.options, self.model_dir = options, model_dir
+        host = psutil.Process()
+        before = {child.pid for child in host.children()}
+        self._sigquit = signal.getsignal(signal.SIGQUIT)
         self.engine = sglang.Engine(**options.engine_args(model_dir, cpu=self.cpu))
+        self._processes = [child for child in host.children() if child.pid not in before]
         self._loop = LoopThread("skip-sglang")
         self._calls = itertools.count()  # SGLang ids must be unique; a request's turns reuse ours
         self._unseeded = random.Random()
@@ -131,8 +141,28 @@ class SGLangBackend(RolloutBackend):
             return
         self._closed = True
         await self.pause()  # requests in flight end with "abort" instead of waiting forever
-        await asyncio.to_thread(self.engine.shutdown)
+        await asyncio.to_thread(self._shutdown_engine)
         self._loop.stop()
+        if threading.current_thread() is threading.main_thread() and self._sigquit is not None:
+            signal.signal(signal.SIGQUIT, self._sigquit)  # SGLang's handler for a failed child kills this process
+
+    def _shutdown_engine(self) -> None:
+        """``Engine.shutdown()`` with its last step, ``kill_process_tree(os.getpid())``, confined to
+        the engine's processes: in a process it shares (a Ray driver's, a test's), that step
+        killed Ray's own processes and every other child with them."""
+        from sglang.srt.entrypoints import engine as module
+
+        blanket = module.kill_process_tree
+
+        def engine_processes_only(parent_pid, include_parent=True, **kwargs):
+            for process in self._processes:
+                blanket(process.pid, include_parent=True, **kwargs)
+
+        module.kill_process_tree = engine_processes_only
+        try:
+            self.engine.shutdown()
+        finally:
+            module.kill_process_tree = blanket
 
     async def _one(self, ids: list[int], sampling: dict[str, Any], rid: str) -> Mapping[str, Any]:
         """One sample, on the engine's loop."""
