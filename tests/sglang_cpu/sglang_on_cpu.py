@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import importlib.abc
 import importlib.machinery
+import logging
 import sys
 import types
 from collections.abc import Callable
@@ -59,16 +60,16 @@ def _no_batch_invariant_kernels(module: types.ModuleType) -> None:
     module.ModelRunner.maybe_enable_batch_invariant_mode = lambda self: None
 
 
-def _quiet_model_registry(module: types.ModuleType) -> None:
+class _QuietModelRegistry(logging.Filter):
     """SGLang imports every model class at start and warns, one line each, of those whose kernels
-    are not here (a dozen, none of them a model the tests load)."""
-    import logging
+    are not here (a dozen, none of them a model the tests load). Set before the registry loads,
+    since it warns while it loads."""
 
-    class _Quiet(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            return not record.getMessage().startswith("Ignore import error when loading")
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Ignore import error when loading")
 
-    module.logger.addFilter(_Quiet())
+
+logging.getLogger("sglang.srt.models.registry").addFilter(_QuietModelRegistry())
 
 
 AROUND: dict[str, Callable] = {
@@ -78,7 +79,6 @@ AROUND: dict[str, Callable] = {
 AFTER: dict[str, Callable[[types.ModuleType], None]] = {
     "sglang.srt.arg_groups.choices": _deterministic_torch_native,
     "sglang.srt.model_executor.model_runner": _no_batch_invariant_kernels,
-    "sglang.srt.models.registry": _quiet_model_registry,
 }
 
 
