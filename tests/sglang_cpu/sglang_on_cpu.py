@@ -2,8 +2,8 @@
 
 Imported at start (``sitecustomize``) by every process that has this folder on ``PYTHONPATH``:
 the test process, the engine's scheduler and detokenizer processes, Ray's workers. It changes
-nothing until SGLang itself is imported; then it adapts the places where SGLang's CPU path meets
-what this machine lacks, each named below.
+nothing until SGLang itself is imported (a filter on one of SGLang's loggers aside); then it
+adapts the places where SGLang's CPU path meets what this machine lacks, each named below.
 """
 
 from __future__ import annotations
