@@ -11,7 +11,8 @@ What SGLang 0.5.23's API asks for, and this backend does:
   is therefore its own request with its own seed, drawn here when the caller gave none;
 - ``update_weights_from_tensor`` runs only between ``begin_weight_update`` and
   ``end_weight_update``: a sync is one such session, a call per bucket, one cache flush at the end;
-- ``Engine`` has no ``abort_request``: a cancelled request is aborted through the tokenizer manager;
+- ``Engine`` has no ``abort_request``: a cancelled request is also aborted through the tokenizer
+  manager (a no-op where the manager already dropped it);
 - ``Engine.shutdown()`` SIGKILLs every child process of the process hosting the engine, and the
   handler it installs for a failed child kills that process and all its children: the backend
   ends only the engine's own processes, and puts the host's handler back.
@@ -170,7 +171,7 @@ class SGLangBackend(RolloutBackend):
             call = self.engine.async_generate(input_ids=ids, sampling_params=sampling, return_logprob=True, rid=rid)
             return await call
         except asyncio.CancelledError:
-            self.engine.tokenizer_manager.abort_request(rid=rid)  # the scheduler would run it to its end
+            self.engine.tokenizer_manager.abort_request(rid=rid)  # not left to the manager's own cleanup
             raise
 
     def _seeds(self, params: SamplingParams) -> list[int]:
