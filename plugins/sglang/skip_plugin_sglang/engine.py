@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from skip_core.backend import FinishReason, Generation, RolloutBackend, SamplingParams, untied
+from skip_core.config import ConfigError
 from skip_core.loop_thread import LoopThread
 
 from skip_plugin_sglang.options import SGLangOptions, on_cpu
@@ -55,7 +56,10 @@ class SGLangBackend(RolloutBackend):
         host = psutil.Process()
         before = {child.pid for child in host.children()}
         self._sigquit = signal.getsignal(signal.SIGQUIT)
-        self.engine = sglang.Engine(**options.engine_args(model_dir, cpu=self.cpu))
+        try:
+            self.engine = sglang.Engine(**options.engine_args(model_dir, cpu=self.cpu))
+        except ValueError as exc:  # SGLang's checks of its server arguments, before any process starts
+            raise ConfigError(f"rollout.engine_kwargs.sglang: SGLang refused the engine's arguments: {exc}") from None
         self._processes = [child for child in host.children() if child.pid not in before]
         self._loop = LoopThread("skip-sglang")
         self._calls = itertools.count()  # SGLang ids must be unique; a request's turns reuse ours

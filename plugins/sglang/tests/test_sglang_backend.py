@@ -45,6 +45,15 @@ def test_on_cpu_the_engine_takes_sglangs_cpu_path_with_a_bounded_kv_cache():
     assert gpu["enable_memory_saver"] and gpu["enable_deterministic_inference"] and gpu["model_path"] == "/m"
 
 
+def test_arguments_sglang_refuses_are_one_line_naming_the_section(tiny_model_dir):
+    pytest.importorskip("sglang", reason="SGLang is not installed")
+    from skip_core.backend import create_backend
+
+    refused = r"^rollout\.engine_kwargs\.sglang: SGLang refused the engine's arguments: .*'no-such-backend'"
+    with pytest.raises(ConfigError, match=refused):
+        create_backend("sglang", sections(attention_backend="no-such-backend"), tiny_model_dir)
+
+
 def _without(monkeypatch, module: str) -> None:
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else find_spec(name, *a))
