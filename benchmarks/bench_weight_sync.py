@@ -229,6 +229,7 @@ def bucketed(model: Path, workers: int, megabytes: float, rounds: int, backend: 
     from skip_plugin_trainer.algorithm_settings import ActorConfig
     from skip_plugin_trainer.commands import compose_config
     from skip_plugin_trainer.settings import RolloutSettings
+    from skip_plugin_trainer.train.model_group import ModelGroup
     from skip_plugin_trainer.train.policy import Policy
     from skip_plugin_trainer.train.rollout_group import RolloutGroup, WeightSource
     from skip_plugin_trainer.train.workers import RolloutWorker
@@ -244,7 +245,7 @@ def bucketed(model: Path, workers: int, megabytes: float, rounds: int, backend: 
     ray.get(actor.__ray_call__.remote(lambda policy: _touch(policy.model)))
     if backend == "hf":  # an engine's weights are its own copy, resident once loaded
         ray.get([w.__ray_call__.remote(lambda worker: _touch(worker.loop.backend.model)) for w in spawned])
-    source = WeightSource(actor, megabytes, keep=False)
+    source = WeightSource(ModelGroup([actor], mini_batch=1), megabytes, keep=False)
     receivers = [_family(_pid(w)) for w in spawned]
     pids = [_pid(actor), *(pid for family in receivers for pid in family)]
     times, extra, store = [], None, 0

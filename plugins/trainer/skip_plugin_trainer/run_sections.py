@@ -13,6 +13,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
@@ -155,11 +156,18 @@ class TrainerConfig(_Section):
     max_ckpt_to_keep: PositiveInt | None = None
     logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = ["console", "jsonl"]
     seed: NonNegativeInt = 0
+    # Where the policy and the critic train (verl's key): auto is cuda when resources.actor asks
+    # for GPUs, cpu otherwise.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Each step's per-token tensors in {default_local_dir}/train_data/, for `skip diff` (slime's
+    # --save-debug-train-data): about 40 bytes per response token per step.
+    save_train_data: bool = False
 
 
 class RolloutPool(_Section):
     workers: PositiveInt = 1
     cpus_per_worker: PositiveFloat = 1
+    gpus_per_worker: NonNegativeFloat = 0  # Ray shows a worker only the GPUs its bundle asked for
     max_restarts: NonNegativeInt = 3  # times Ray restarts a lost worker (killed, preempted, out of memory)
     # How long a lost worker may take to come back: placed again (on another node, if its own is
     # gone: an autoscaler may first add one) and its engine loaded. Past it the run stops.
@@ -170,7 +178,12 @@ class RolloutPool(_Section):
 
 
 class ActorPool(_Section):
+    """The policy's ranks (and the critic's, beside them): ``workers`` Ray workers, one
+    data-parallel rank each, sharing ``cpus`` and each with ``gpus_per_worker``."""
+
+    workers: PositiveInt = 1
     cpus: PositiveFloat = 1
+    gpus_per_worker: NonNegativeFloat = 0
     ray_resources: dict[StrictStr, PositiveFloat] | None = None  # as the rollout pool's
 
 

@@ -163,6 +163,7 @@ class RunSettings(RolloutSettings):
         )
         try:
             settings.check_sizes()
+            settings.check_devices()
         except ConfigError as exc:
             raise ConfigError(_as_written(str(exc), settings.resolved)) from None
         return settings
@@ -178,6 +179,34 @@ class RunSettings(RolloutSettings):
     @property
     def use_reference(self) -> bool:
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    @property
+    def device(self) -> str:
+        """Where the policy and the critic train: ``trainer.device``, auto resolved."""
+        if self.trainer.device != "auto":
+            return self.trainer.device
+        return "cuda" if self.resources.actor.gpus_per_worker > 0 else "cpu"
+
+    def check_devices(self) -> None:
+        """A device the actor pool does not ask Ray for would not be there: Ray shows a worker
+        only the GPUs of its bundle."""
+        gpus = self.resources.actor.gpus_per_worker
+        if self.trainer.device == "cuda" and gpus == 0:
+            raise ConfigError(
+                "trainer.device: cuda needs a GPU for each actor worker; set resources.actor.gpus_per_worker "
+                "(1: a GPU each)"
+            )
+        if self.trainer.device == "cpu" and gpus > 0:
+            raise ConfigError(
+                f"resources.actor.gpus_per_worker: {gpus:g} GPUs asked for an actor that trains on the CPU "
+                "(trainer.device=cpu); set trainer.device=cuda or 0 GPUs"
+            )
+        workers = self.resources.actor.workers
+        if workers > 1 and self.model.lora_rank:
+            raise ConfigError(
+                f"resources.actor.workers: LoRA (model.lora_rank={self.model.lora_rank}) trains on one actor "
+                f"worker, not {workers}"
+            )
 
     def bypass_mode(self, overlapped: bool) -> bool:
         """Whether the rollout log-probs serve as PPO's old log-probs (see ``RolloutCorrection``)."""
@@ -224,6 +253,12 @@ class RunSettings(RolloutSettings):
                 raise ConfigError(
                     f"{name}.ppo_mini_batch_size: {model.ppo_mini_batch_size} prompts do not divide "
                     f"data.train_batch_size={batch}"
+                )
+            workers, samples = self.resources.actor.workers, model.ppo_mini_batch_size * n
+            if samples % workers:
+                raise ConfigError(
+                    f"resources.actor.workers: {workers} workers cannot share a {name} mini-batch of "
+                    f"{model.ppo_mini_batch_size} prompts x rollout.n={n} = {samples} samples evenly"
                 )
             if (model.ppo_mini_batch_size * n) % model.ppo_micro_batch_size:
                 raise ConfigError(

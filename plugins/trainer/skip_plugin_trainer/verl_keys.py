@@ -82,7 +82,6 @@ UNUSED: dict[str, str] = {
             "*.expert_parallel_size",
             "*.pipeline_model_parallel_size",
             "*.trust_remote_code",
-            "trainer.device",
             "trainer.ray_wait_register_center_timeout",
             "rollout.gpu_memory_utilization",
             "rollout.enable_chunked_prefill",

@@ -146,23 +146,49 @@ def compute_advantages(
     return reinforce_plus_plus_advantages(token_level_rewards, response_mask, gamma)
 
 
-def agg_loss(loss_mat: Tensor, loss_mask: Tensor, mode: str) -> Tensor:
+@dataclass(frozen=True)
+class Totals:
+    """What a mini-batch's loss divides by: its loss tokens, its rows, and its rows with a loss token.
+
+    Given to ``agg_loss``, a micro-batch's loss is its part of the mini-batch's, and the parts add
+    up to the same loss however the mini-batch is split into micro-batches and across data-parallel
+    ranks (verl's global normalisation, ``batch_num_tokens`` / ``global_batch_size``).
+    """
+
+    tokens: float
+    rows: float
+    rows_with_tokens: float
+
+    @classmethod
+    def of(cls, response_mask: Tensor) -> Totals:
+        tokens = response_mask.float().sum(-1)
+        return cls(float(tokens.sum()), float(len(tokens)), float((tokens > 0).sum()))
+
+
+def agg_loss(loss_mat: Tensor, loss_mask: Tensor, mode: str, totals: Totals | None = None) -> Tensor:
     """Reduce per-token losses to a scalar; the mode decides how much long responses weigh.
 
     ``seq-mean-token-sum`` averages over all rows, as verl does, so a row without loss tokens adds 0 and
     still counts. ``seq-mean-token-mean`` averages only over rows with at least one loss token, since an
-    empty row has no mean; with none at all the loss is 0, never NaN.
+    empty row has no mean; with none at all the loss is 0, never NaN. ``totals``: those of the whole
+    mini-batch these rows are part of (their own by default).
     """
     _check(mode, LOSS_AGG_MODES, "loss aggregation mode")
+    totals = totals or Totals.of(loss_mask)
     mask = loss_mask.to(loss_mat.dtype)
-    if mode == "token-mean":
-        return masked_mean(loss_mat, mask)
     token_sums = (loss_mat * mask).sum(-1)
+    if mode == "token-mean":
+        return token_sums.sum() / max(totals.tokens, 1e-8)
     if mode == "seq-mean-token-sum":
-        return token_sums.mean()
-    tokens = mask.sum(-1)
-    sequence_means = token_sums / tokens.clamp_min(1)
-    return sequence_means.sum() / (tokens > 0).sum().clamp_min(1)
+        return token_sums.sum() / max(totals.rows, 1.0)
+    sequence_means = token_sums / mask.sum(-1).clamp_min(1)
+    return sequence_means.sum() / max(totals.rows_with_tokens, 1.0)
+
+
+def token_share(values: Tensor, mask: Tensor, totals: Totals | None = None) -> float:
+    """These rows' part of the mean of ``values`` over the mini-batch's loss tokens (a metric that,
+    summed over micro-batches and ranks, is the mini-batch's mean)."""
+    return float((values * mask.to(values.dtype)).sum() / max((totals or Totals.of(mask)).tokens, 1e-8))
 
 
 @dataclass(frozen=True)
@@ -186,12 +212,14 @@ def policy_loss(
     clip_ratio_c: float | None = 3.0,
     loss_agg_mode: str = "token-mean",
     weights: Tensor | None = None,
+    totals: Totals | None = None,
 ) -> PolicyLoss:
     """PPO's clipped surrogate, which stops one batch from moving the policy far from the sampler.
 
     The dual clip bounds the loss of negative-advantage tokens whose ratio exploded, since an unbounded
     term there would dominate the batch. The log-ratio is clamped so ``exp`` cannot overflow.
-    ``weights`` scale each token's loss (rollout-correction importance weights).
+    ``weights`` scale each token's loss (rollout-correction importance weights). With ``totals``
+    the loss and the metrics are these rows' parts of their mini-batch's (``Totals``).
     """
     if clip_ratio_c is not None and clip_ratio_c <= 1:
         raise ValueError(f"clip_ratio_c must be greater than 1, got {clip_ratio_c}")
@@ -206,9 +234,9 @@ def policy_loss(
     if weights is not None:
         losses = losses * weights.float()
     with torch.no_grad():
-        clipfrac = masked_mean((clipped > unclipped).float(), response_mask).item()
-        approx_kl = masked_mean(-log_ratio, response_mask).item()
-    return PolicyLoss(agg_loss(losses, response_mask, loss_agg_mode), clipfrac, approx_kl)
+        clipfrac = token_share((clipped > unclipped).float(), response_mask, totals)
+        approx_kl = token_share(-log_ratio, response_mask, totals)
+    return PolicyLoss(agg_loss(losses, response_mask, loss_agg_mode, totals), clipfrac, approx_kl)
 
 
 def reinforce_loss(
@@ -219,6 +247,7 @@ def reinforce_loss(
     loss_agg_mode: str = "token-mean",
     *,
     weights: Tensor | None = None,
+    totals: Totals | None = None,
 ) -> PolicyLoss:
     """The plain policy gradient -A log pi (verl's ``compute_policy_loss_reinforce``, bypass mode's
     ``loss_type=reinforce``): no ratio and no clip, so off-policy samples are corrected only by
@@ -228,8 +257,8 @@ def reinforce_loss(
     if weights is not None:
         losses = losses * weights.float()
     with torch.no_grad():
-        approx_kl = masked_mean(rollout_log_prob.float() - log_prob.float(), response_mask).item()
-    return PolicyLoss(agg_loss(losses, response_mask, loss_agg_mode), None, approx_kl)
+        approx_kl = token_share(rollout_log_prob.float() - log_prob.float(), response_mask, totals)
+    return PolicyLoss(agg_loss(losses, response_mask, loss_agg_mode, totals), None, approx_kl)
 
 
 def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, mode: str) -> Tensor:

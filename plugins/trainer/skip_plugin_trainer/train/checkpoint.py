@@ -1,9 +1,11 @@
 """Training checkpoints that let a killed run resume exactly: model, optimizer, trainer and RNG state.
 
-Each ``global_step_{step}`` directory is built beside its final place (``.tmp-*``), every file is
-fsynced, ``manifest.json`` (sizes and xxh3-128 hashes) is written last and the directory renamed
-into place, so a checkpoint is complete or absent and damage is caught on read. Nothing is
-unpickled: tensors go to safetensors, everything else to tagged JSON (``skip_core.encoding``).
+Each ``global_step_{step}`` directory is built beside its final place (``.tmp-*``: the trained
+models' ranks write their shards there too, so on a cluster it must be a filesystem every node
+sees, as verl's checkpoints need), every file is fsynced, ``manifest.json`` (sizes and xxh3-128
+hashes) is written last and the directory renamed into place, so a checkpoint is complete or
+absent and damage is caught on read. Nothing is unpickled: tensors go to safetensors,
+everything else to tagged JSON (``skip_core.encoding``).
 
 A checkpoint directory may come from someone else: every file is read as hostile
 (``skip_core.reading``: regular files only, sizes and JSON nesting bounded), and whatever does
@@ -21,7 +23,7 @@ import shutil
 import tempfile
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -76,19 +78,19 @@ class CheckpointManager:
     def save(
         self,
         step: int,
-        model: Mapping[str, torch.Tensor],
-        optimizer: Mapping[str, Any],
         trainer: Mapping[str, Any],
         rng: Mapping[str, Any],
+        shards: Callable[[Path], Mapping[str, Any]],
     ) -> Path:
-        """Write the checkpoint of ``step``, replacing any previous one atomically; prune beyond ``keep``."""
+        """Write the checkpoint of ``step``, replacing any previous one atomically; prune beyond
+        ``keep``. ``shards(directory)``: the trained models' ranks write theirs (``checkpoint_files.write``)."""
         step = _check_step(step)
         final = self.path(step)
         self.root.mkdir(parents=True, exist_ok=True)
         self._remove_leftovers()
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=self.root))
         try:
-            write(tmp, step, model, optimizer, trainer, rng)
+            write(tmp, step, trainer, rng, shards)
             files.publish(tmp, final)
             files.fsync_dir(self.root)
         except BaseException:

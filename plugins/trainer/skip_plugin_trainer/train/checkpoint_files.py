@@ -1,8 +1,12 @@
 """One checkpoint's files: how ``global_step_{step}`` is written, verified and read.
 
-``state.json`` (tagged JSON: the trainer's state, the optimizer's non-tensor state, the RNG
-states), ``model.safetensors`` and ``optimizer.safetensors``, all fsynced, then ``manifest.json``
-(sizes and xxh3-128 hashes) last. A checkpoint directory may come from someone else: every file
+Format 2: ``actor/`` and ``critic/`` hold each trained model's weights and optimizer state as
+its ranks wrote them (``shards.py``: safetensors, one file per rank); ``state.json`` (tagged
+JSON: the trainer's state, the RNG states, each model's optimizer hyper-parameters) and
+``state.safetensors`` (the tensors among them), all fsynced, then ``manifest.json`` (every
+file's size and xxh3-128 hash) last. A directory holding a file the manifest does not list does
+not verify: the shards' reader would read it. Format 1 (one process's ``model.safetensors`` and
+``optimizer.safetensors``) is still read. A checkpoint directory may come from someone else: every file
 is read as hostile (``skip_core.reading``: regular files only, inside the checkpoint, sizes and
 JSON nesting bounded, hashed through the descriptor that was checked), and whatever does not
 verify is a ``CorruptCheckpoint``, never another exception. Nothing is unpickled.
@@ -14,7 +18,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,12 +29,15 @@ from safetensors.torch import load_file, save_file
 from skip_core import encoding, files, reading, store
 
 FORMAT = "skip-checkpoint"
-VERSION = 1
-MODEL = "model.safetensors"
-OPTIMIZER = "optimizer.safetensors"
+VERSION = 2
+MODEL = "model.safetensors"  # format 1
+OPTIMIZER = "optimizer.safetensors"  # format 1
 STATE = "state.json"
+TENSORS = "state.safetensors"
 MANIFEST = "manifest.json"
-DATA_FILES = (MODEL, OPTIMIZER, STATE)
+DATA_FILES = {1: {MODEL, OPTIMIZER, STATE}, 2: {STATE, TENSORS}}
+GROUPS = ("actor", "critic")  # the trained models, each a directory of its ranks' files
+_SHARD_FILE = re.compile(r"(actor|critic)/[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.safetensors")
 MAX_MANIFEST_BYTES = 1 << 20
 _TENSOR = "__skip_tensor__"  # JSON stand-in for a tensor stored in optimizer.safetensors
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors (Rust) reports an I/O error's errno
@@ -47,40 +54,46 @@ class CorruptCheckpoint(RuntimeError):
 
 @dataclass
 class Checkpoint:
-    """One verified checkpoint, in the shapes the trainer saved."""
+    """One verified checkpoint, in the shapes the trainer saved. ``shards``: what each trained
+    model's ranks need to read their state from ``path / name`` (format 2); ``model`` and
+    ``optimizer``: the policy's whole state (format 1)."""
 
     step: int
-    model: dict[str, torch.Tensor]
-    optimizer: dict[str, Any]
     trainer: dict[str, Any]
     rng: dict[str, Any]
     path: Path
+    shards: dict[str, dict[str, Any]] | None = None
+    model: dict[str, torch.Tensor] | None = None
+    optimizer: dict[str, Any] | None = None
 
 
 def write(
     directory: Path,
     step: int,
-    model: Mapping[str, torch.Tensor],
-    optimizer: Mapping[str, Any],
     trainer: Mapping[str, Any],
     rng: Mapping[str, Any],
+    shards: Callable[[Path], Mapping[str, Any]],
 ) -> None:
-    """All files of one checkpoint, fsynced; JSON first so unstorable state fails before big writes."""
+    """All files of one checkpoint, fsynced. ``shards(directory)`` has the trained models' ranks
+    write their files into ``directory / <model>`` and returns what each needs to read them
+    back; the trainer's and RNG state are encoded first, so unstorable state fails before it."""
     tensors: dict[str, torch.Tensor] = {}
     state = {
-        "model_keys": list(model),
-        "optimizer": encoding.encode(_split(optimizer, "", tensors), "optimizer"),
         "trainer": encoding.encode(_split(trainer, "trainer", tensors), "trainer"),
         "rng": encoding.encode(_split(rng, "rng", tensors), "rng"),
     }
+    saved = shards(directory)
+    for name in saved:
+        files.fsync_dir(directory / name)
+    state["shards"] = encoding.encode(dict(saved), "shards")
     files.write_synced(directory / STATE, json.dumps(state).encode())
-    _save_tensors(encoding.storable(model), directory / MODEL)
-    _save_tensors(encoding.storable(tensors), directory / OPTIMIZER)
+    _save_tensors(encoding.storable(tensors), directory / TENSORS)
+    listed = sorted(path.relative_to(directory).as_posix() for path in directory.rglob("*") if path.is_file())
     manifest = {
         "format": FORMAT,
         "version": VERSION,
         "step": step,
-        "files": {name: store.seal(directory / name) for name in DATA_FILES},
+        "files": {name: store.seal(directory / name) for name in listed},
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     files.write_synced(directory / MANIFEST, json.dumps(manifest, indent=1).encode())
@@ -132,14 +145,37 @@ def verify(path: Path, step: int) -> dict[str, int]:
     """Check the manifest and every file's size and hash, so a torn or flipped byte is never loaded;
     the sizes it records, by file."""
     manifest = _read_manifest(path)
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise CorruptCheckpoint(path, f"unsupported format {manifest.get('format')!r} {manifest.get('version')!r}")
+    version = manifest.get("version")
+    if manifest.get("format") != FORMAT or version not in DATA_FILES:
+        raise CorruptCheckpoint(path, f"unsupported format {manifest.get('format')!r} {version!r}")
     if manifest.get("step") != step:
         raise CorruptCheckpoint(path, f"manifest records step {manifest.get('step')!r}")
     files = manifest.get("files")
-    if not isinstance(files, dict) or set(files) != set(DATA_FILES):
+    required = DATA_FILES[version]
+    if not isinstance(files, dict) or not _listable(files, required, version):
         raise CorruptCheckpoint(path, f"manifest lists files {sorted(files) if isinstance(files, dict) else files!r}")
+    if version > 1:
+        unlisted = _unlisted(path, set(files))
+        if unlisted:
+            raise CorruptCheckpoint(path, f"holds {unlisted}, which its manifest does not list")
     return {name: _check_file(path, name, expected) for name, expected in files.items()}
+
+
+def _listable(files: dict, required: set[str], version: int) -> bool:
+    """The files of a checkpoint of ``version``: exactly ``required`` (format 1), or those and the
+    models' shard files (format 2)."""
+    if version == 1:
+        return set(files) == required
+    return required <= set(files) and all(name in required or _SHARD_FILE.fullmatch(name) for name in files)
+
+
+def _unlisted(path: Path, listed: set[str]) -> str | None:
+    """An entry of the checkpoint that is neither the manifest nor a file it lists (one is enough)."""
+    for entry in sorted(path.rglob("*")):
+        name = entry.relative_to(path).as_posix()
+        if name not in listed and name != MANIFEST and not (name in GROUPS and entry.is_dir()):
+            return name
+    return None
 
 
 def _read_manifest(path: Path) -> dict:
@@ -177,6 +213,15 @@ def _check_file(path: Path, name: str, expected: Any) -> int:
 
 def read(path: Path, step: int, sizes: Mapping[str, int]) -> Checkpoint:
     state = reading.read_json(path / STATE, sizes[STATE], root=path)
+    if TENSORS in sizes:
+        tensors = load_file(str(path / TENSORS))
+        return Checkpoint(
+            step=step,
+            trainer=_attach(encoding.decode(state["trainer"]), tensors),
+            rng=_attach(encoding.decode(state["rng"]), tensors),
+            path=path,
+            shards=encoding.decode(state["shards"]),
+        )
     model = load_file(str(path / MODEL))
     keys = state["model_keys"]
     if sorted(keys) != sorted(model):

@@ -13,13 +13,12 @@ its ``rollout_corr/*`` name.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import torch
 from torch import Tensor
 
 from skip_plugin_trainer.algorithm_settings import RolloutCorrection
-from skip_plugin_trainer.train.algorithm import PolicyLoss, masked_mean, policy_loss, reinforce_loss
+from skip_plugin_trainer.train.algorithm import PolicyLoss, Totals, masked_mean, policy_loss, reinforce_loss
 
 # verl's bound on a log-ratio before ``exp``: past exp(20) a weight is meaningless anyway.
 SAFETY_BOUND = 20.0
@@ -53,28 +52,25 @@ def bypass_policy_loss(
     log_prob: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
+    totals: Totals | None = None,
     **ppo: float | str | None,
 ) -> tuple[PolicyLoss, dict[str, float]]:
     """The loss of bypass mode, where the rollout log-probs are the old ones. ``ppo_clip``: PPO's
     clipped loss, whose ratio is already policy / rollout, so IS weights would count it twice and
     are only measured. ``reinforce``: -A log pi, weighted by them when ``rollout_is`` is set.
-    Either way the rejected tokens leave the loss (not the entropy or KL terms, as in verl)."""
+    Either way the rejected tokens leave the loss (not the entropy or KL terms, as in verl).
+
+    The loss divides by the mini-batch's tokens or rows counted before any was rejected
+    (``totals``, by default those of ``response_mask``), as verl's does: a rejected token adds 0
+    to the mean instead of leaving it, so the tokens kept weigh no more than they would have."""
+    totals = totals or Totals.of(response_mask)
     with torch.no_grad():
         weights, mask, metrics = correct(correction, log_prob, rollout_log_prob, response_mask)
     if correction.loss_type == "reinforce":
-        result = reinforce_loss(log_prob, rollout_log_prob, advantages, mask, ppo["loss_agg_mode"], weights=weights)
-    else:
-        result = policy_loss(rollout_log_prob, log_prob, advantages, mask, **ppo)
-    if mask is not response_mask and mask.any():
-        # verl's loss divides by the mini-batch's tokens (token-mean) or rows, counted before the
-        # loss rejected any: a rejected token adds 0 to the mean instead of leaving it, so the
-        # tokens kept weigh no more than they would have. (seq-mean-token-sum already counts every row.)
         mode = ppo["loss_agg_mode"]
-        if mode == "token-mean":
-            result = replace(result, loss=result.loss * mask.float().sum() / response_mask.float().sum())
-        elif mode == "seq-mean-token-mean":
-            rows = (mask.sum(-1) > 0).float().sum() / (response_mask.sum(-1) > 0).float().sum()
-            result = replace(result, loss=result.loss * rows)
+        result = reinforce_loss(log_prob, rollout_log_prob, advantages, mask, mode, weights=weights, totals=totals)
+    else:
+        result = policy_loss(rollout_log_prob, log_prob, advantages, mask, totals=totals, **ppo)
     return result, metrics
 
 

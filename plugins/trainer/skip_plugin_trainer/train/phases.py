@@ -6,9 +6,6 @@ which see only ``ACTOR_INPUTS`` and what their phase adds.
 
 from __future__ import annotations
 
-from typing import Any
-
-import ray
 from skip_core.batch import Batch
 from skip_core.layout import Column, Layout
 from skip_core.manager import SkipManager
@@ -17,6 +14,7 @@ from skip_core.schedule import StepRecord
 from skip_plugin_trainer.settings import RunSettings
 from skip_plugin_trainer.train.algorithm import agg_loss, apply_kl_penalty, compute_advantages
 from skip_plugin_trainer.train.correction import correct
+from skip_plugin_trainer.train.model_group import ModelGroup
 from skip_plugin_trainer.train.reward import Rewarder
 from skip_plugin_trainer.train.value import gae_advantages, value_metrics
 
@@ -38,7 +36,12 @@ class Phases:
     log-probs are PPO's old log-probs (``algorithm.rollout_correction.bypass_mode``)."""
 
     def __init__(
-        self, settings: RunSettings, actor: Any, rewarder: Rewarder, overlapped: bool, critic: Any = None
+        self,
+        settings: RunSettings,
+        actor: ModelGroup,
+        rewarder: Rewarder,
+        overlapped: bool,
+        critic: ModelGroup | None = None,
     ) -> None:
         self.settings, self.actor, self.rewarder, self.critic = settings, actor, rewarder, critic
         self.correction = settings.algorithm.rollout_correction
@@ -98,7 +101,7 @@ class Phases:
     def old_log_prob(self, inputs: Batch) -> Batch:
         """``old_log_probs`` and ``entropys`` under the weights about to be updated: skip's
         ``old_log_prob`` role replays them on its steps (exact when every earlier step was)."""
-        return ray.get(self.actor.compute_log_prob.remote(inputs))
+        return self.actor.compute_log_prob(inputs)
 
     def rollout_correction(self, batch: Batch) -> dict[str, float]:
         """Decoupled mode's correction, once per batch (verl's
@@ -119,13 +122,13 @@ class Phases:
     def compute_ref_log_prob(self, inputs: Batch) -> Batch:
         """Log-probs of the responses under the frozen reference model: skip's ``ref_log_prob``
         role replays them on its steps (exact: same reference weights, same inputs)."""
-        return ray.get(self.actor.compute_ref_log_prob.remote(inputs))
+        return self.actor.compute_ref_log_prob(inputs)
 
     @SkipManager.annotate(role="values", layout=VALUES)
     def compute_values(self, inputs: Batch) -> Batch:
         """The critic's ``values``: skip's ``values`` role replays them on its steps (exact when
         every earlier step was, so the critic holds the same weights)."""
-        return ray.get(self.critic.compute_values.remote(inputs))
+        return self.critic.compute_values(inputs)
 
     def compute_advantage(self, batch: Batch) -> dict[str, float]:
         algo, metrics = self.settings.algorithm, {}
@@ -161,7 +164,7 @@ class Phases:
         return metrics
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
-        return ray.get(self.critic.update.remote(batch.select([*ACTOR_INPUTS, "values", "returns"], [], [])))
+        return self.critic.update(batch.select([*ACTOR_INPUTS, "values", "returns"], [], []))
 
     def update_actor(self, batch: Batch) -> dict[str, float]:
         keys = [*ACTOR_INPUTS, "old_log_probs", "advantages"]
@@ -172,7 +175,7 @@ class Phases:
         inputs = batch.select(keys, [], [])
         if self.bypass:  # verl's apply_bypass_mode: the policy's loss corrects against the rollout's log-probs
             inputs.meta_info["rollout_correction"] = self.correction
-        return ray.get(self.actor.update.remote(inputs))
+        return self.actor.update(inputs)
 
 
 def actor_updates(step: int, critic_warmup: int) -> int:

@@ -6,12 +6,14 @@ change them mid-way (``RunSettings.identity``: schedule, backend, model, algorit
 another run's weights and optimizer under other rules would train neither. A checkpoint at or
 past the run's last step leaves nothing to train. Both are decided before Ray starts, as is a
 ``trainer.resume_from_path`` that does not verify. The checkpoint a run resumes from is never
-pruned while it runs.
+pruned while it runs. The trained models' ranks write and read their own shards of it
+(``shard_writer``, ``load_models``), with any number of ranks.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,9 @@ from skip_core.errors import SkipError
 
 from skip_plugin_trainer.settings import RunSettings
 from skip_plugin_trainer.train.checkpoint import STEP_DIR, CheckpointManager
-from skip_plugin_trainer.train.checkpoint_files import Checkpoint, CorruptCheckpoint
+from skip_plugin_trainer.train.checkpoint_files import GROUPS, Checkpoint, CorruptCheckpoint
+from skip_plugin_trainer.train.model_group import ModelGroup, settle
+from skip_plugin_trainer.train.phases import actor_updates
 
 WAYS_OUT = "use a new run directory (trainer.default_local_dir=...) or start over here (trainer.resume_mode=disable)"
 
@@ -37,6 +41,13 @@ def find_checkpoint(settings: RunSettings, checkpoints: CheckpointManager) -> Ch
         checkpoint = checkpoints.latest()
     if checkpoint is not None:
         _check_identity(checkpoint, settings)
+        workers = settings.resources.actor.workers
+        if checkpoint.shards is None and workers > 1:
+            raise ConfigError(
+                f"resources.actor.workers: {checkpoint.path} holds one process's state (an older skip's format), "
+                f"which resumes on one actor worker, not {workers}: resume with resources.actor.workers=1, and "
+                "change it from the next checkpoint on"
+            )
         checkpoints.pin(checkpoint.path)
     return checkpoint
 
@@ -45,6 +56,33 @@ def trainer_state(settings: RunSettings, step: int, loader: dict, schedule: dict
     """What a checkpoint records beside the weights: the step, where the data stands, the
     schedule's own state, and the settings a resumed run must share."""
     return {"global_steps": step, "loader": loader, "schedule": schedule, "identity": settings.identity()}
+
+
+def shard_writer(actor: ModelGroup, critic: ModelGroup | None) -> Callable[[Path], dict[str, Any]]:
+    """What ``CheckpointManager.save`` calls to have the trained models write their ranks' shards
+    into a checkpoint directory, side by side."""
+    models = dict(zip(GROUPS, (actor, critic), strict=True))
+
+    def write(directory: Path) -> dict[str, Any]:
+        refs = {name: m.submit("save_shards", str(directory / name)) for name, m in models.items() if m}
+        return {name: settle(ranks)[0] for name, ranks in refs.items()}
+
+    return write
+
+
+def load_models(checkpoint: Checkpoint, actor: ModelGroup, critic: ModelGroup | None, critic_warmup: int) -> None:
+    """The trained models' state from ``checkpoint``; their lr schedules continue at the updates
+    its steps made (derived, not saved: checkpoints written before skip had schedules resume the
+    same way). A checkpoint of format 1 holds the whole state, in the driver."""
+    updates = {"actor": actor_updates(checkpoint.step, critic_warmup), "critic": checkpoint.step}
+    for name, model in zip(GROUPS, (actor, critic), strict=True):
+        if model is None:
+            continue
+        if checkpoint.shards is not None:
+            model.call("load_shards", str(checkpoint.path / name), checkpoint.shards[name], updates=updates[name])
+        else:  # the critic's state sits in the trainer's (a checkpoint's algorithm.* match the run's)
+            whole = checkpoint.trainer["critic"] if name == "critic" else vars(checkpoint)
+            model.call("load_full_state", whole["model"], whole["optimizer"], updates=updates[name])
 
 
 def nothing_left(checkpoint: Checkpoint, total_steps: int) -> str:

@@ -29,6 +29,7 @@ from skip_core.manager import SkipManager
 
 from skip_plugin_trainer.rollout.padding import ROLLOUT_LAYOUT, merge_rollout_stats
 from skip_plugin_trainer.train.located import Where
+from skip_plugin_trainer.train.model_group import ModelGroup, settle
 
 SHUTDOWN_TIMEOUT_S = 120
 RESTART_POLL_S = 2  # how often a wait for a restart looks whether the worker's node is gone
@@ -40,23 +41,26 @@ class WorkerLost(RuntimeError):
 
 class WeightSource:
     """The actor's weights of the last sync, as buckets of ``megabytes`` (``keep``: snapshotted,
-    for a schedule that trains while they are sent)."""
+    for a schedule that trains while they are sent). ``actor`` is its ``ModelGroup``: every rank
+    gathers each bucket's tensors, rank 0 hands them over."""
 
-    def __init__(self, actor: Any, megabytes: float, keep: bool) -> None:
+    def __init__(self, actor: ModelGroup, megabytes: float, keep: bool) -> None:
         self.actor, self.megabytes, self.keep = actor, megabytes, keep
         self.version = 0
         self.count = 0
 
     def publish(self, version: int) -> None:
-        self.count = ray.get(self.actor.publish_weights.remote(self.megabytes, self.keep))
+        self.count = self.actor.call("publish_weights", self.megabytes, self.keep)[0]
         self.version = version
 
     def buckets(self) -> Iterator[tuple[int, Any]]:
         """Each bucket's object ref, the next one asked of the actor before this one is used."""
-        ahead = self.actor.weight_bucket.remote(0) if self.count else None
+        ahead = self.actor.submit("weight_bucket", 0) if self.count else None
         for index in range(self.count):
-            ref, ahead = ahead, self.actor.weight_bucket.remote(index + 1) if index + 1 < self.count else None
-            yield index, ref
+            refs = ahead
+            ahead = self.actor.submit("weight_bucket", index + 1) if index + 1 < self.count else None
+            settle(refs[1:])  # a rank lost while gathering fails the sync here, not in a rollout worker
+            yield index, refs[0]
 
 
 class RolloutGroup:

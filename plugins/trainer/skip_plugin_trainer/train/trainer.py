@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import ray
 import torch
 from ray.exceptions import RayActorError
 from rich.console import Console
@@ -48,12 +47,20 @@ from skip_plugin_trainer.train.metrics import (
     throughput_metrics,
     timing_metrics,
 )
-from skip_plugin_trainer.train.phases import Phases, actor_updates
+from skip_plugin_trainer.train.phases import Phases
 from skip_plugin_trainer.train.preflight import check_writable, load_data, warn_unreachable
-from skip_plugin_trainer.train.resume import find_checkpoint, nothing_left, stopped, trainer_state
+from skip_plugin_trainer.train.resume import (
+    find_checkpoint,
+    load_models,
+    nothing_left,
+    shard_writer,
+    stopped,
+    trainer_state,
+)
 from skip_plugin_trainer.train.rollout_group import WorkerLost
 from skip_plugin_trainer.train.train_only import plan_engines
 from skip_plugin_trainer.train.workers import Cluster
+from skip_plugin_trainer.train_data import save_train_data
 
 
 class Trainer:
@@ -166,6 +173,8 @@ class Trainer:
                 self.tracking.stage(self._metrics(record), step)
                 with record.timed("save_checkpoint"):
                     self.save_checkpoint(record)
+        if self.settings.trainer.save_train_data and record.batch is not None:
+            save_train_data(self.run_dir, step, record.batch)
         self.global_steps = step
         self._loader_states.pop(step, None)
         self.tracking.log(self._metrics(record), step)
@@ -308,13 +317,7 @@ class Trainer:
         self.loader.load_state_dict(checkpoint.trainer["loader"])
         # The lr schedules continue at the updates the checkpoint's steps made (derived, not saved:
         # checkpoints written before skip had schedules resume the same way).
-        updates = actor_updates(checkpoint.step, self.settings.trainer.critic_warmup)
-        ray.get(self.actor.load_checkpoint_state.remote(checkpoint.model, checkpoint.optimizer, updates=updates))
-        if self.critic is not None:
-            critic = checkpoint.trainer["critic"]  # present: a checkpoint's algorithm.* must match the run's
-            ray.get(
-                self.critic.load_checkpoint_state.remote(critic["model"], critic["optimizer"], updates=checkpoint.step)
-            )
+        load_models(checkpoint, self.actor, self.critic, self.settings.trainer.critic_warmup)
         self.global_steps = self._actor_version = checkpoint.step
         self._resumed_schedule_state = checkpoint.trainer.get("schedule")
         self.sync_weights()
@@ -323,17 +326,13 @@ class Trainer:
         self.console.print(f"resumed at step {self.global_steps} from {checkpoint.path}")
 
     def save_checkpoint(self, record: StepRecord) -> Path:
-        model, optimizer = ray.get(self.actor.checkpoint_state.remote())
         loader = record.loader_state or self._loader_states.get(record.step) or self.loader.state_dict()
         state = trainer_state(self.settings, record.step, loader, record.schedule_state)
-        if self.critic is not None:  # its tensors go with the optimizer's, verified the same way
-            critic_model, critic_optimizer = ray.get(self.critic.checkpoint_state.remote())
-            state["critic"] = {"model": critic_model, "optimizer": critic_optimizer}
         try:
-            return self.checkpoints.save(record.step, model, optimizer, state, capture_rng())
+            return self.checkpoints.save(record.step, state, capture_rng(), shard_writer(self.actor, self.critic))
         except OSError as exc:  # a full disk: the save left nothing behind, the earlier checkpoints stand
-            path = self.checkpoints.path(record.step)
-            what = f"cannot save its checkpoint {path}: {exc.strerror or exc}"
+            path, cause = self.checkpoints.path(record.step), getattr(exc, "cause", exc)  # a rank's: Ray's wraps it
+            what = f"cannot save its checkpoint {path}: {cause.strerror or cause}"
             raise stopped(what, record.step, self.checkpoints) from exc
 
     def resume_state(self) -> dict | None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from skip_plugin_trainer.train.algorithm import agg_loss, masked_mean, masked_whiten
+from skip_plugin_trainer.train.algorithm import Totals, agg_loss, masked_whiten, token_share
 
 
 def gae_advantages(
@@ -44,14 +44,21 @@ class ValueLoss:
 
 
 def value_loss(
-    vpreds: Tensor, returns: Tensor, values: Tensor, response_mask: Tensor, cliprange_value: float, loss_agg_mode: str
+    vpreds: Tensor,
+    returns: Tensor,
+    values: Tensor,
+    response_mask: Tensor,
+    cliprange_value: float,
+    loss_agg_mode: str,
+    totals: Totals | None = None,
 ) -> ValueLoss:
     """PPO's clipped value loss: a new prediction may move at most ``cliprange_value`` from the
-    value the advantages were computed with, unless that moves it further from the return."""
+    value the advantages were computed with, unless that moves it further from the return. With
+    ``totals``, these rows' parts of their mini-batch's loss and clip fraction (``Totals``)."""
     clipped = values + (vpreds - values).clamp(-cliprange_value, cliprange_value)
     unclipped_loss, clipped_loss = (vpreds - returns) ** 2, (clipped - returns) ** 2
-    loss = 0.5 * agg_loss(torch.maximum(unclipped_loss, clipped_loss), response_mask, loss_agg_mode)
-    clipfrac = masked_mean((clipped_loss > unclipped_loss).float(), response_mask).item()
+    loss = 0.5 * agg_loss(torch.maximum(unclipped_loss, clipped_loss), response_mask, loss_agg_mode, totals)
+    clipfrac = token_share((clipped_loss > unclipped_loss).float(), response_mask, totals)
     return ValueLoss(loss, clipfrac)
 
 

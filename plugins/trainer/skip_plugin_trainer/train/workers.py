@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,9 @@ from skip_core.config import ConfigError
 from skip_plugin_trainer.rollout.weights import Bucket, unpack
 from skip_plugin_trainer.settings import RolloutSettings, RunSettings
 from skip_plugin_trainer.train.critic import Critic
+from skip_plugin_trainer.train.distributed import Group, free_address
 from skip_plugin_trainer.train.located import Located
+from skip_plugin_trainer.train.model_group import ModelGroup
 from skip_plugin_trainer.train.policy import Policy
 from skip_plugin_trainer.train.rollout_group import RolloutGroup, WeightSource
 
@@ -79,8 +81,8 @@ class Cluster:
     def __init__(self) -> None:
         self.pools: list[Pool] = []
         self.rollout: RolloutGroup | None = None
-        self.actor: Any = None
-        self.critic: Any = None
+        self.actor: ModelGroup | None = None
+        self.critic: ModelGroup | None = None
         self.weights: WeightSource | None = None
         self._where: dict[str, tuple[str, Any]] = {}
 
@@ -97,14 +99,20 @@ class Cluster:
             ray.init(**({"address": address} if address else local), include_dashboard=False, log_to_driver=True)
         rollout_pool, actor_pool = resources.rollout, resources.actor
         pools = [
-            PoolSpec("rollout", rollout_pool.workers, rollout_pool.cpus_per_worker, rollout_pool.ray_resources or {}),
-            PoolSpec("actor", 1, actor_pool.cpus, actor_pool.ray_resources or {}),
-        ]
+            PoolSpec(
+                "rollout", rollout_pool.workers, rollout_pool.cpus_per_worker, rollout_pool.gpus_per_worker,
+                rollout_pool.ray_resources or {},
+            ),
+            PoolSpec(
+                "actor", actor_pool.workers, actor_pool.cpus / actor_pool.workers, actor_pool.gpus_per_worker,
+                actor_pool.ray_resources or {},
+            ),
+        ]  # fmt: skip
         Pool.check_capacity(pools)
         for pool in pools:
             self.pools.append(Pool(pool))
         rollout, actor = self.pools
-        threads = resources.threads(rollout.cpus, overlapped, together=resources.rollout.workers)
+        threads = resources.threads(rollout.spec.cpus, overlapped, together=resources.rollout.workers)
         # Many concurrent calls per worker: streamed samples each wait in one; the engine batches them.
         restarts = resources.rollout.max_restarts
         spawn = functools.partial(
@@ -112,45 +120,45 @@ class Cluster:
             RolloutWorker,
             settings,
             threads,
-            Pool.RANK,
+            each=lambda rank: {"rank": rank},
             concurrency=STREAMED_PER_WORKER,
             restarts=restarts,
         )
         timeout = resources.rollout.restart_timeout_s
         self.rollout = RolloutGroup(spawn, started=not defer_rollout, restart_timeout_s=timeout)
-        # The critic shares the policy's bundle, as verl colocates them: a step runs their phases in turn.
+        # The critic's ranks share the policy's bundles, as verl colocates them: a step runs their phases in turn.
         share = 2 if settings.use_critic else 1
-        threads = resources.threads(actor.cpus, overlapped)
-        (self.actor,) = actor.spawn(
-            Policy,
-            str(settings.model_path()),
-            settings.actor,
-            share=share,
-            samples_per_prompt=settings.rollout.n,
-            temperature=settings.rollout.temperature,
-            use_reference=settings.use_reference,
-            seed=settings.trainer.seed,
-            threads=threads,
-            total_training_steps=total_steps,
-            lora=settings.model,
+        threads = resources.threads(actor.spec.cpus, overlapped, together=actor_pool.workers)
+        common = {"seed": settings.trainer.seed, "threads": threads, "total_training_steps": total_steps}
+        common |= {"samples_per_prompt": settings.rollout.n, "device": settings.device}
+        self.actor = ModelGroup(
+            actor.spawn(
+                Policy,
+                str(settings.model_path()),
+                settings.actor,
+                each=actor.ranks(),
+                share=share,
+                temperature=settings.rollout.temperature,
+                use_reference=settings.use_reference,
+                lora=settings.model,
+                **common,
+            ),
+            settings.actor.ppo_mini_batch_size * settings.rollout.n,
         )
         if settings.use_critic:
-            path, n, seed = str(settings.model_path()), settings.rollout.n, settings.trainer.seed
-            (self.critic,) = actor.spawn(
-                Critic,
-                path,
-                settings.critic,
-                share=share,
-                samples_per_prompt=n,
-                seed=seed,
-                threads=threads,
-                total_training_steps=total_steps,
-            )[-1:]
+            path, critic = str(settings.model_path()), settings.critic
+            ranks = actor.spawn(Critic, path, critic, each=actor.ranks(), share=share, **common)
+            self.critic = ModelGroup(ranks, critic.ppo_mini_batch_size * settings.rollout.n)
         # Both pools load their models side by side; the first step's timing is then the step's.
         ray.get([worker.__ray_ready__.remote() for pool in self.pools for worker in pool.actors])
         self.weights = WeightSource(self.actor, settings.rollout.update_weights_bucket_megabytes, keep=overlapped)
         named = [("actor", self.actor), ("critic", self.critic)]
-        self._where = {a._actor_id.hex(): (name, a.where.remote()) for name, a in named if a is not None}
+        self._where = {
+            a._actor_id.hex(): (name if len(group) == 1 else f"{name} rank {rank}", a.where.remote())
+            for name, group in named
+            if group is not None
+            for rank, a in enumerate(group.ranks)
+        }
 
     def describe(self, lost: RayActorError) -> str:
         """Which of the run's workers ``lost`` is about, and where it ran: ``the actor worker (pid 12
@@ -176,18 +184,19 @@ class Cluster:
 
 @dataclass(frozen=True)
 class PoolSpec:
-    """What a pool asks of the cluster: ``bundles`` of ``cpus`` CPUs plus the ``ray_resources`` of
-    ``resources.<name>`` (custom resources a node offers, e.g. ``{node_b: 1}``: the pool goes
-    to the nodes that have them)."""
+    """What a pool asks of the cluster: ``bundles`` of ``cpus`` CPUs and ``gpus`` GPUs plus the
+    ``ray_resources`` of ``resources.<name>`` (custom resources a node offers, e.g.
+    ``{node_b: 1}``: the pool goes to the nodes that have them)."""
 
     name: str
     bundles: int
     cpus: float
+    gpus: float
     ray_resources: Mapping[str, float]
 
     @property
     def bundle(self) -> dict[str, float]:
-        return {"CPU": self.cpus, **self.ray_resources}
+        return {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {}), **self.ray_resources}
 
     def unplaceable(self) -> str:
         have = ", ".join(f"{v:g} {k}" for k, v in sorted(ray.cluster_resources().items()) if "node:" not in k)
@@ -199,15 +208,10 @@ class PoolSpec:
 
 
 class Pool:
-    """A placement group and the actors placed in its bundles.
-
-    ``spawn`` replaces an argument given as ``Pool.RANK`` by the actor's bundle index.
-    """
-
-    RANK = object()
+    """A placement group and the actors placed in its bundles."""
 
     def __init__(self, spec: PoolSpec) -> None:
-        self.name, self.cpus = spec.name, spec.cpus
+        self.name, self.spec = spec.name, spec
         self.group: PlacementGroup = placement_group([spec.bundle] * spec.bundles, strategy="PACK", name=spec.name)
         ready, _ = ray.wait([self.group.ready()], timeout=POOL_TIMEOUT_S)
         if not ready:
@@ -224,27 +228,47 @@ class Pool:
             if sum(pool.bundles * pool.bundle.get(resource, 0) for pool in pools) > have.get(resource, 0):
                 raise ConfigError([pool for pool in pools if resource in pool.bundle][-1].unplaceable())
 
+    def ranks(self) -> Callable[[int], dict[str, Any]]:
+        """Each bundle's ``group`` argument: its rank in a torch.distributed group of one rank per
+        bundle, which meets at a free port of bundle 0's node (none for a single bundle)."""
+        world = self.group.bundle_count
+        if world == 1:
+            return lambda rank: {"group": None}
+        strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=0)
+        address = ray.get(ray.remote(free_address).options(num_cpus=0, scheduling_strategy=strategy).remote())
+        return lambda rank: {"group": Group(rank, world, address)}
+
     def spawn(
-        self, cls: type, *args: Any, concurrency: int = 1, share: int = 1, restarts: int = 0, **kwargs: Any
+        self,
+        cls: type,
+        *args: Any,
+        each: Callable[[int], dict[str, Any]] | None = None,
+        concurrency: int = 1,
+        share: int = 1,
+        restarts: int = 0,
+        **kwargs: Any,
     ) -> list[Any]:
         """One ``cls`` actor per bundle, its constructor started (``__ray_ready__`` says when it is
-        done); ``concurrency`` calls may run in one actor at a time (threads); ``share`` actors
-        will share each bundle (the pool's actors so far are returned, the new ones last); Ray
-        restarts one that dies ``restarts`` times (its calls then fail: the caller redoes them)."""
+        done) with ``each(bundle index)`` added to its keyword arguments; ``concurrency`` calls
+        may run in one actor at a time (threads); ``share`` actors will share each bundle's CPUs
+        and GPUs; Ray restarts one that dies ``restarts`` times (its calls then fail: the caller
+        redoes them). Returns the new actors, in bundle order."""
         remote = ray.remote(cls)
+        new = []
         for index in range(self.group.bundle_count):
             strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index)
             actor = remote.options(
-                num_cpus=self.cpus / share,
+                num_cpus=self.spec.cpus / share,
+                num_gpus=self.spec.gpus / share,
                 scheduling_strategy=strategy,
                 name=None,
                 max_concurrency=concurrency,
                 max_restarts=restarts,
                 max_task_retries=0,
             )
-            ranked = [index if a is Pool.RANK else a for a in args]
-            self.actors.append(actor.remote(*ranked, **{k: index if v is Pool.RANK else v for k, v in kwargs.items()}))
-        return self.actors
+            new.append(actor.remote(*args, **kwargs, **(each(index) if each else {})))
+        self.actors.extend(new)
+        return new
 
     def close(self) -> None:
         for actor in self.actors:

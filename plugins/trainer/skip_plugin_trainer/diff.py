@@ -1,0 +1,387 @@
+"""``skip diff A B``: two training runs, or two skip caches, compared step by step and phase by phase.
+
+A change of parallelism, backend, dtype or code should not move the numbers; this says whether it
+did, and where first. For each step both sides have, the phases are compared in the order a step
+computes them: the rollout tokens (exactly), then each per-token result (``rollout_log_probs``,
+rewards, log-probs, values, advantages, returns) on the tokens both response masks mark, then the
+scalar metrics of ``metrics.jsonl`` (losses, grad norms, the others; never timings, which differ
+by nature). A value is beyond tolerance as ``numpy.isclose`` says: ``|a-b| > atol + rtol*|b|``.
+
+A sample whose rollout tokens differ leaves the later per-token phases of its step: they would
+compare results of different tokens. ``compare`` returns the ``Report``; the command prints it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Container, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+from skip_core.config import StepSet
+from skip_core.errors import TRACEBACK_SWITCH, SkipError
+
+from skip_plugin_trainer.diff_sources import DiffError, open_source
+
+TOKENS = "rollout tokens"
+#: The per-token results after the rollout, in the order a step computes them.
+PER_TOKEN = (
+    "rollout_log_probs",
+    "token_level_scores",
+    "token_level_rewards",
+    "old_log_probs",
+    "ref_log_prob",
+    "values",
+    "advantages",
+    "returns",
+)
+PHASES = (TOKENS, *PER_TOKEN, "losses", "grad norms", "metrics")
+#: Metrics of time and speed (any key with ``time`` in it, too), and the engines' batching counters
+#: (how requests met in the engine depends on when each arrived): they differ from run to run by nature.
+TIMING = ("timing_s/", "timing_per_token_ms/", "perf/", "rollout/engine/")
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One compared value of A and B at a step: of a token of a sample, or of a metric."""
+
+    step: int
+    a: float
+    b: float
+    diff: float
+    sample: int | None = None
+    token: int | None = None
+    metric: str | None = None
+
+    @property
+    def place(self) -> str:
+        return self.metric if self.metric is not None else f"sample {self.sample} token {self.token}"
+
+
+@dataclass
+class PhaseResult:
+    """What one phase's comparison found over the steps. For rollout tokens (``exact``) a
+    difference is a token that is not the same (or present on one side only), ``diff`` is 1 for
+    it, and ``top`` holds the first differences rather than the largest."""
+
+    name: str
+    steps: list[int] = field(default_factory=list)
+    compared: int = 0
+    beyond: int = 0
+    total: float = 0.0
+    largest: Difference | None = None
+    first: Difference | None = None
+    top: list[Difference] = field(default_factory=list)
+    #: Samples left out because their rollout tokens differ, summed over steps.
+    left_out: int = 0
+    #: (step, the shapes) where A and B could not be compared.
+    shapes: list[tuple[int, str]] = field(default_factory=list)
+
+    @property
+    def exact(self) -> bool:
+        return self.name == TOKENS
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.compared if self.compared else 0.0
+
+    @property
+    def first_step(self) -> int | None:
+        """The first step beyond tolerance, shapes that differ included."""
+        found = [self.first.step] if self.first else []
+        return min(found + [step for step, _ in self.shapes[:1]], default=None)
+
+    def add(
+        self,
+        step: int,
+        x: np.ndarray,
+        y: np.ndarray,
+        diff: np.ndarray,
+        beyond: np.ndarray,
+        place: Callable[[int], dict],
+        top: int,
+    ) -> None:
+        """One step's compared values: A's ``x``, B's ``y``, their ``diff`` and where it is
+        ``beyond`` tolerance; ``place(i)`` says where the ``i``-th value is."""
+        self.steps.append(step)
+        self.compared += len(x)
+        self.total += float(diff.sum())
+        hits = np.flatnonzero(beyond)
+        self.beyond += len(hits)
+
+        def at(i: int) -> Difference:
+            return Difference(step, x[i].item(), y[i].item(), float(diff[i]), **place(i))
+
+        if len(hits) and self.first is None:
+            self.first = at(hits[0])
+        if len(diff) and (self.largest is None or diff.max() > self.largest.diff):
+            self.largest = at(int(diff.argmax()))
+        ranked = hits if self.exact else hits[np.argsort(-diff[hits], kind="stable")]
+        self.top = self.top + [at(i) for i in ranked[:top]]
+        if not self.exact:
+            self.top.sort(key=lambda d: -d.diff)
+        del self.top[top:]
+
+
+@dataclass
+class Report:
+    """The comparison of A and B: per phase what was compared and found, and what could not be."""
+
+    a: Path
+    b: Path
+    atol: float
+    rtol: float
+    steps: list[int]
+    only_a: list[int]
+    only_b: list[int]
+    phases: list[PhaseResult] = field(default_factory=list)
+    #: What was not compared (a phase or a metric on one side only, ...) -> the steps it concerns.
+    notes: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def first(self) -> PhaseResult | None:
+        """The phase of the first difference: the earliest step, then the earliest phase."""
+        differing = [p for p in self.phases if p.first_step is not None]
+        return min(differing, key=lambda p: p.first_step, default=None)
+
+    @property
+    def agree(self) -> bool:
+        return self.first is None
+
+    def headline(self) -> str:
+        phase = self.first
+        if phase is None:
+            names = ", ".join(p.name for p in self.phases)
+            within = f"atol={self.atol:g}, rtol={self.rtol:g}"
+            return f"A and B agree within {within} over {len(self.steps)} steps (phases: {names})"
+        d = phase.first
+        if d is None or d.step != phase.first_step:
+            step, shapes = phase.shapes[0]
+            return f"first difference beyond tolerance: step {step}, {phase.name}: shapes differ ({shapes})"
+        values = f"a={_num(d.a)}, b={_num(d.b)}" + ("" if phase.exact else f", |diff|={d.diff:.3g}")
+        return f"first difference beyond tolerance: step {d.step}, {phase.name}, {d.place}: {values}"
+
+
+def compare(
+    a: Path, b: Path, atol: float = 1e-5, rtol: float = 1e-4, steps: Container[int] | None = None, top: int = 5
+) -> Report:
+    """Compare the runs or caches ``a`` and ``b`` over their common ``steps`` (all by default);
+    ``top``: how many differences each phase keeps. ``DiffError`` naming the path for input that
+    cannot be compared."""
+    first, second = open_source(a), open_source(b)
+    in_a = {s for s in first.steps() if steps is None or s in steps}
+    in_b = {s for s in second.steps() if steps is None or s in steps}
+    report = Report(first.path, second.path, atol, rtol, sorted(in_a & in_b), sorted(in_a - in_b), sorted(in_b - in_a))
+    report.notes = {note: [] for note in first.notes + second.notes}
+    comparison = _Comparison(report, top)
+    for step in report.steps:
+        comparison.tensors(step, first.tensors(step), second.tensors(step))
+        comparison.metrics(step, first.metrics.get(step, {}), second.metrics.get(step, {}))
+    report.phases = [p for p in comparison.phases.values() if p.steps or p.shapes]
+    if not report.phases:
+        raise DiffError(
+            f"nothing in common to compare: {first.path} has steps {_ranges(in_a)}, {second.path} has {_ranges(in_b)}"
+        )
+    return report
+
+
+class _Comparison:
+    """The phases of a ``Report`` filled step by step."""
+
+    def __init__(self, report: Report, top: int) -> None:
+        self.report, self.top = report, top
+        self.phases = {name: PhaseResult(name) for name in PHASES}
+
+    def note(self, text: str, step: int) -> None:
+        self.report.notes.setdefault(text, []).append(step)
+
+    def tensors(self, step: int, ta: Mapping[str, Any], tb: Mapping[str, Any]) -> None:
+        for key, name in [("responses", TOKENS), *zip(PER_TOKEN, PER_TOKEN, strict=True)]:
+            if (key in ta) != (key in tb):
+                self.note(f"{name}: only in {'A' if key in ta else 'B'}", step)
+        ma, mb = (_array(t["response_mask"]) != 0 if "response_mask" in t else None for t in (ta, tb))
+        if ma is None and mb is None and ta.keys() & tb.keys() & {"responses", *PER_TOKEN}:
+            self.note("no response_mask on either side: every token compared", step)
+        ma, mb = (mb if ma is None else ma), (ma if mb is None else mb)  # one side's mask serves both
+        keep = None
+        if "responses" in ta and "responses" in tb:
+            keep = self.rollout(step, _array(ta["responses"]), _array(tb["responses"]), ma, mb)
+        for key in PER_TOKEN:
+            if key in ta and key in tb:
+                self.values(step, key, _array(ta[key]), _array(tb[key]), ma, mb, keep)
+
+    def rollout(self, step: int, a: np.ndarray, b: np.ndarray, ma: Any, mb: Any) -> np.ndarray | None:
+        """Compare the tokens either mask marks; the samples whose tokens all agree, to keep for later phases."""
+        phase = self.phases[TOKENS]
+        aligned = _aligned(a, b, ma, mb)
+        if isinstance(aligned, str):
+            phase.shapes.append((step, aligned))
+            return None
+        a, b, va, vb = aligned
+        marked = va | vb
+        rows, cols = np.nonzero(marked)
+        x, y = a[marked], b[marked]
+        beyond = (va[marked] != vb[marked]) | (x != y)
+        phase.add(step, x, y, beyond.astype(np.float64), beyond, _token(rows, cols), self.top)
+        keep = np.ones(len(a), dtype=bool)
+        keep[rows[beyond]] = False
+        return keep
+
+    def values(self, step: int, key: str, a: np.ndarray, b: np.ndarray, ma: Any, mb: Any, keep: Any) -> None:
+        phase = self.phases[key]
+        aligned = _aligned(a, b, ma, mb)
+        if isinstance(aligned, str):
+            phase.shapes.append((step, aligned))
+            return
+        a, b, va, vb = aligned
+        both = va & vb
+        if keep is not None:
+            both &= keep[:, None]
+            phase.left_out += int((~keep).sum())
+        rows, cols = np.nonzero(both)
+        x, y = a[both], b[both]
+        phase.add(step, x, y, *self.close(x, y), _token(rows, cols), self.top)
+
+    def metrics(self, step: int, ma: Mapping[str, float], mb: Mapping[str, float]) -> None:
+        keys = {key for key in ma.keys() | mb.keys() if not key.startswith(TIMING) and "time" not in key}
+        for key in sorted(keys - (ma.keys() & mb.keys())):
+            self.note(f"metric {key}: only in {'A' if key in ma else 'B'}", step)
+        groups: dict[str, list[str]] = {}
+        for key in sorted(keys & ma.keys() & mb.keys()):
+            group = "losses" if "loss" in key else "grad norms" if "grad_norm" in key else "metrics"
+            groups.setdefault(group, []).append(key)
+        for group, names in groups.items():
+            x, y = np.array([ma[k] for k in names]), np.array([mb[k] for k in names])
+            self.phases[group].add(step, x, y, *self.close(x, y), _metric(names), self.top)
+
+    def close(self, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """|x-y| (NaN against a number, or opposite infinities, as infinite) and where it is beyond tolerance."""
+        x, y = x.astype(np.float64), y.astype(np.float64)  # unsigned integers would wrap around in x - y
+        close = np.isclose(x, y, rtol=self.report.rtol, atol=self.report.atol, equal_nan=True)
+        with np.errstate(invalid="ignore"):
+            diff = np.abs(x - y)
+        return np.where(np.isnan(diff), np.where(close, 0.0, np.inf), diff), ~close
+
+
+def _array(tensor: Any) -> np.ndarray:
+    """A tensor as numpy: floats (bf16 too, which numpy lacks) as float64, so every dtype compares alike;
+    a jagged one (one row per sample) padded with zeros, which no mask marks."""
+    if tensor.is_nested:
+        tensor = tensor.to_padded_tensor(0)
+    return tensor.double().numpy() if tensor.is_floating_point() else tensor.numpy()
+
+
+def _aligned(a: np.ndarray, b: np.ndarray, ma: Any, mb: Any) -> tuple[np.ndarray, ...] | str:
+    """``a``, ``b`` and the masks cut to the common response width, where no mask marks a token
+    beyond it; else the shapes, to say they differ."""
+    va = np.ones(a.shape, dtype=bool) if ma is None else ma
+    vb = np.ones(b.shape, dtype=bool) if mb is None else mb
+    fits = a.ndim == b.ndim == 2 and len(a) == len(b) and (va.shape, vb.shape) == (a.shape, b.shape)
+    width = min(a.shape[-1], b.shape[-1]) if fits else 0
+    if not fits or va[:, width:].any() or vb[:, width:].any():
+        masks = "" if (va.shape, vb.shape) == (a.shape, b.shape) else f"; masks A {list(va.shape)}, B {list(vb.shape)}"
+        return f"A {list(a.shape)}, B {list(b.shape)}{masks}"
+    return a[:, :width], b[:, :width], va[:, :width], vb[:, :width]
+
+
+def _token(rows: np.ndarray, cols: np.ndarray) -> Callable[[int], dict]:
+    return lambda i: {"sample": int(rows[i]), "token": int(cols[i])}
+
+
+def _metric(names: list[str]) -> Callable[[int], dict]:
+    return lambda i: {"metric": names[i]}
+
+
+def _num(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:.6g}"
+
+
+def _ranges(steps: Any) -> str:
+    return str(StepSet((s, s) for s in steps)) or "none"
+
+
+def render(report: Report, console: Console) -> None:
+    """The report: a table of the phases, what was not compared, the largest differences of the
+    phase that differs first, and the headline."""
+    table = Table(title=Text(f"skip diff  A: {report.a}  B: {report.b}"), title_justify="left")
+    columns = ("phase", "steps", "compared", "beyond tolerance", "samples left out", "max |a-b|", "at", "mean |a-b|")
+    for column in (*columns, "first step beyond"):
+        table.add_column(column, overflow="fold")
+    for p in report.phases:
+        largest = p.largest if not p.exact else None
+        cells = [p.name, _ranges(p.steps), p.compared, p.beyond, p.left_out if p.name in PER_TOKEN else "-"]
+        cells += [
+            f"{largest.diff:.3g}" if largest else "-",
+            f"step {largest.step}, {largest.place}" if largest and largest.diff else "-",
+        ]
+        cells += ["-" if p.exact else f"{p.mean:.3g}", "-" if p.first_step is None else p.first_step]
+        table.add_row(*(Text(str(c), style="red" if p.first_step is not None else "") for c in cells))
+    console.print(table)
+    for label, steps in (("steps only in A", report.only_a), ("steps only in B", report.only_b)):
+        if steps:
+            console.print(Text(f"{label}: {_ranges(steps)}"))
+    for note, steps in report.notes.items():
+        console.print(Text(note + (f" (steps {_ranges(steps)})" if steps else "")))
+    phase = report.first
+    if phase is not None and phase.top:
+        kind = "first" if phase.exact else "largest"
+        top = Table(title=Text(f"{phase.name}: the {len(phase.top)} {kind} differences"), title_justify="left")
+        for column in ("step", "where", "a", "b", "|a-b|"):
+            top.add_column(column, overflow="fold")
+        for d in phase.top:
+            top.add_row(*(Text(c) for c in (str(d.step), d.place, _num(d.a), _num(d.b), f"{d.diff:.3g}")))
+        console.print(top)
+    console.print(Text(report.headline(), style="green" if report.agree else "bold red"))
+
+
+class _Incomparable(click.ClickException):
+    """Input that cannot be compared: exit 2, as ``diff`` exits on trouble, never 1 (they differ)."""
+
+    exit_code = 2
+
+
+def _steps(ctx: click.Context, param: click.Parameter, value: str | None) -> StepSet | None:
+    if value is None:
+        return None
+    from pydantic import TypeAdapter, ValidationError
+
+    try:
+        return TypeAdapter(StepSet).validate_python([part.strip() for part in value.split(",")])
+    except ValidationError as exc:
+        raise click.BadParameter(exc.errors()[0]["msg"]) from None
+
+
+@click.command("diff")
+@click.argument("a", type=click.Path(path_type=Path))
+@click.argument("b", type=click.Path(path_type=Path))
+@click.option("--atol", type=click.FloatRange(min=0), default=1e-5, show_default=True, help="Absolute tolerance.")
+@click.option(
+    "--rtol", type=click.FloatRange(min=0), default=1e-4, show_default=True, help="Relative tolerance (of B)."
+)
+@click.option("--steps", callback=_steps, help="Only these steps: 3, 1..20, 5.. or a comma-separated list of them.")
+@click.option("--top", type=click.IntRange(min=0), default=5, show_default=True, help="Differences listed.")
+def diff(a: Path, b: Path, atol: float, rtol: float, steps: StepSet | None, top: int) -> None:
+    """Compare two runs (or two skip caches) A and B step by step and phase by phase.
+
+    A and B are run directories (metrics.jsonl, train_data/) or skip caches (a dump_dir, a run's
+    directory in one, or a GBS... directory). Exit 0 when everything compared agrees within
+    tolerance (|a-b| <= atol + rtol*|b|; tokens exactly), 1 when something differs, 2 when A and
+    B cannot be compared.
+    """
+    from skip_plugin_trainer.commands import console
+
+    try:
+        report = compare(a, b, atol, rtol, steps, top)
+    except SkipError as exc:
+        if os.environ.get(TRACEBACK_SWITCH) == "1":
+            raise
+        raise _Incomparable(" ".join(str(exc).split())) from None
+    render(report, console)
+    sys.exit(0 if report.agree else 1)
