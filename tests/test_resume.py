@@ -11,7 +11,6 @@ import time
 
 import pytest
 from skip_plugin_trainer.train.checkpoint import LATEST, CheckpointWarning
-from skip_plugin_trainer.train.checkpoint_files import MODEL
 from skip_plugin_trainer.train.metrics import Tracking
 from training import fingerprints, held_command, metrics, train
 
@@ -97,16 +96,17 @@ def test_a_corrupt_newest_checkpoint_costs_neither_the_run_nor_the_checkpoint_it
     run = tmp_path / "run"
     kept = ("trainer.test_freq=0", "trainer.max_ckpt_to_keep=2")
     train(task_dir, tmp_path, "trainer.total_training_steps=3", "trainer.save_freq=1", *kept)
-    data = bytearray((run / "global_step_3" / MODEL).read_bytes())
+    (shard,) = (run / "global_step_3" / "actor").glob("*.safetensors")  # the policy's one rank's
+    data = bytearray(shard.read_bytes())
     data[-2] ^= 0x01
-    (run / "global_step_3" / MODEL).write_bytes(bytes(data))
+    shard.write_bytes(bytes(data))
 
     with pytest.warns(CheckpointWarning) as caught:
         _, output = train(task_dir, tmp_path, "trainer.total_training_steps=6", "trainer.save_freq=2", *kept)
 
     assert f"resumed at step 2 from {run / 'global_step_2'}" in output
     ignored, aside = [str(w.message) for w in caught if w.category is CheckpointWarning]
-    assert ignored.startswith(f"skip: ignoring checkpoint {run / 'global_step_3'}: {MODEL} does not match")
+    assert ignored.startswith(f"skip: ignoring checkpoint {run / 'global_step_3'}: actor/{shard.name} does not match")
     assert f"moved it aside to {run / 'global_step_3.corrupt'}," in aside
     checkpoints = sorted(name for name in os.listdir(run) if name.startswith("global_step_"))
     assert checkpoints == ["global_step_2", "global_step_3.corrupt", "global_step_4", "global_step_6"]

@@ -103,7 +103,7 @@ class StepSet:
             yield from range(first, last + 1)
 
     def __len__(self) -> int:
-        return sum(last - first + 1 for first, last in self.ranges)
+        return min(sum(last - first + 1 for first, last in self.ranges), sys.maxsize)  # "0.." is one more
 
     def __bool__(self) -> bool:
         return bool(self._starts)

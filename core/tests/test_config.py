@@ -196,3 +196,11 @@ def test_activate_refuses_an_enabled_role_nothing_installed_provides():
 
     with pytest.raises(ConfigError, match=r"^skip\.judge: no installed plugin provides role 'judge'$"):
         SkipManager.activate({"judge": RoleConfig(enable=True)}, Namespace(), Setup({}, {}))
+
+
+def test_a_role_replaying_every_step_from_0_activates(tmp_path):
+    """``"0.."`` holds one step more than a length can count (``sys.maxsize``): it must still
+    activate, and hold every step from 0."""
+    SkipManager.init(run_config(tmp_path, role="async_rollout", steps="0.."))
+    steps = parse_section(RoleConfig, "skip.async_rollout", {"steps": "0.."}).steps
+    assert 0 in steps and 10**15 in steps and -1 not in steps

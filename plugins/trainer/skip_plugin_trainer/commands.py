@@ -23,9 +23,9 @@ def register(cli: click.Group) -> None:
     cli.add_command(
         hydra_job("run", "Train with the configured schedule (GRPO on the embedded default), with OVERRIDES.", _run)
     )
-    from skip_plugin_trainer.diff import diff
+    from skip_plugin_trainer.diff.report import command
 
-    cli.add_command(diff)
+    cli.add_command(command(console))
 
 
 def _rollout(config: Any, console: Console) -> None:

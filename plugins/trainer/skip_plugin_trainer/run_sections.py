@@ -198,6 +198,9 @@ class Resources(_Section):
     torch_threads: PositiveInt | None = None
     rollout: RolloutPool = RolloutPool()
     actor: ActorPool = ActorPool()
+    # The rollout engines and the actor share their devices (verl's hybrid engine): the sync
+    # schedule puts the engines to sleep (their weights and KV cache freed) while the actor trains.
+    colocate: bool = False
 
     def threads(self, cpus: float, overlapped: bool, together: int = 1) -> int:
         """Threads of a worker with ``cpus`` of its own, one of ``together`` that run at once."""

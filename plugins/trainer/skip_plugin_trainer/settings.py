@@ -257,7 +257,7 @@ class RunSettings(RolloutSettings):
             workers, samples = self.resources.actor.workers, model.ppo_mini_batch_size * n
             if samples % workers:
                 raise ConfigError(
-                    f"resources.actor.workers: {workers} workers cannot share a {name} mini-batch of "
+                    f"resources.actor.workers: {workers} workers cannot share the {name}'s mini-batch of "
                     f"{model.ppo_mini_batch_size} prompts x rollout.n={n} = {samples} samples evenly"
                 )
             if (model.ppo_mini_batch_size * n) % model.ppo_micro_batch_size:

@@ -5,6 +5,7 @@ import torch
 from batches import ROWS, padded_batch
 from skip_core.batch import Batch
 from skip_plugin_trainer.algorithm_settings import ActorConfig, Optim
+from skip_plugin_trainer.train.algorithm import LOSS_AGG_MODES
 from skip_plugin_trainer.train.policy import Policy
 
 
@@ -49,17 +50,20 @@ def test_an_update_raises_the_likelihood_of_positive_advantage_samples(tiny_mode
     assert metrics["actor/pg_loss"] == pytest.approx(-(4 * 1.0 - 2 * 1.0) / 12, abs=1e-6)  # token-mean of -A
 
 
-def test_micro_batches_accumulate_to_the_full_batch_gradient(tiny_model_dir):
-    """With seq-mean-token-mean every row weighs the same however the mini-batch is split, so
-    three micro-batches of one row accumulate the gradient of one micro-batch of three (the
-    gradients stay on the parameters after the optimizer step)."""
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_micro_batches_accumulate_to_the_full_batch_gradient(tiny_model_dir, mode):
+    """Each micro-batch's loss is its part of the whole mini-batch's (divided by the mini-batch's
+    tokens or rows, not its own), so in every mode three micro-batches of one row of ragged
+    length accumulate the gradient of one micro-batch of three (the gradients stay on the
+    parameters after the optimizer step), and the loss metric is the whole's."""
     advantages = [1.0, -0.5, 0.25]
-    whole = policy(tiny_model_dir, loss_agg_mode="seq-mean-token-mean")
-    split = policy(tiny_model_dir, loss_agg_mode="seq-mean-token-mean", ppo_micro_batch_size=1)
+    whole = policy(tiny_model_dir, loss_agg_mode=mode)
+    split = policy(tiny_model_dir, loss_agg_mode=mode, ppo_micro_batch_size=1)
     whole_metrics = whole.update(training_batch(whole, advantages))
     split_metrics = split.update(training_batch(split, advantages))
     assert whole_metrics["actor/grad_norm"] == pytest.approx(split_metrics["actor/grad_norm"], rel=1e-5)
     assert whole_metrics["actor/grad_norm"] > 0
+    assert whole_metrics["actor/pg_loss"] == pytest.approx(split_metrics["actor/pg_loss"], rel=1e-5)
     for a, b in zip(whole.model.parameters(), split.model.parameters(), strict=True):
         assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-7)
 

@@ -1,5 +1,6 @@
 """The RL math against values worked out by hand in the comments."""
 
+import itertools
 import math
 
 import numpy as np
@@ -10,6 +11,7 @@ from skip_plugin_trainer.train.algorithm import (
     KL_PENALTIES,
     LOSS_AGG_MODES,
     PolicyLoss,
+    Totals,
     agg_loss,
     apply_kl_penalty,
     compute_advantages,
@@ -183,6 +185,37 @@ def test_agg_loss_with_no_loss_tokens_is_zero_with_finite_gradient(mode):
     loss.backward()
     assert loss.item() == 0.0
     assert (loss_mat.grad == 0).all()
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("cuts", [(1, 2, 3), (2, 4), (3,), (4,)], ids=str)
+def test_agg_loss_of_the_parts_with_the_wholes_totals_adds_up_to_the_wholes(mode, cuts):
+    """Micro-batches (and ranks) each aggregate their rows against the mini-batch's ``Totals``:
+    their losses, and so their gradients, add up to the whole mini-batch's however it is cut,
+    including a part whose only row has no loss token."""
+    loss_mat = torch.arange(1.0, 16.0).reshape(5, 3).requires_grad_()
+    mask = T([[1, 1, 0], [1, 0, 0], [0, 0, 0], [1, 1, 1], [0, 1, 0]])  # ragged, row 2 empty
+    totals = Totals.of(mask)
+    assert totals == Totals(tokens=7.0, rows=5.0, rows_with_tokens=4.0)
+    whole = agg_loss(loss_mat, mask, mode)
+    (whole_grad,) = torch.autograd.grad(whole, loss_mat)
+
+    bounds = [0, *cuts, 5]
+    parts = [agg_loss(loss_mat[a:b], mask[a:b], mode, totals) for a, b in itertools.pairwise(bounds)]
+    (parts_grad,) = torch.autograd.grad(sum(parts), loss_mat)
+    assert_close(sum(parts), whole)
+    assert_close(parts_grad, whole_grad)
+    if cuts == (2, 4):  # rows 2 (empty) and 3 (10 + 11 + 12 = 33 over 3 tokens), by hand
+        expected = {"token-mean": 33 / 7, "seq-mean-token-sum": 33 / 5, "seq-mean-token-mean": 11 / 4}
+        assert_close(parts[1], T(expected[mode]))
+
+
+def test_a_part_normalised_by_itself_is_not_its_share_of_the_whole():
+    """Why ``totals`` exists: a micro-batch's own mean weighs its tokens as if it were the whole."""
+    loss_mat, mask = LOSS, T([[1, 1, 0], [1, 0, 0]])
+    whole = agg_loss(loss_mat, mask, "token-mean")
+    own = agg_loss(loss_mat[:1], mask[:1], "token-mean") + agg_loss(loss_mat[1:], mask[1:], "token-mean")
+    assert not torch.isclose(own, whole)  # (1.5 + 4) != 7 / 3
 
 
 # ---------------------------------------------------------------- policy loss

@@ -2,14 +2,18 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from skip_core import files, store
+from safetensors.torch import load_file, save_file
+from skip_core import encoding, files, store
 from skip_core.encoding import EncodingError
+from skip_plugin_trainer.train import shards
 from skip_plugin_trainer.train.checkpoint import (
     LATEST,
     STEP_DIR,
@@ -18,8 +22,11 @@ from skip_plugin_trainer.train.checkpoint import (
     capture_rng,
     restore_rng,
 )
-from skip_plugin_trainer.train.checkpoint_files import MANIFEST, MODEL, STATE, CorruptCheckpoint
+from skip_plugin_trainer.train.checkpoint_files import MANIFEST, STATE, TENSORS, CorruptCheckpoint
 from torch import nn
+
+# The one file a single rank's shards of the actor are (``shards.save`` with one process).
+SHARD = "actor/shard-00001-model-00001-of-00001.safetensors"
 
 
 @pytest.fixture(autouse=True)
@@ -51,9 +58,24 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, seed: int) ->
     optimizer.step()
 
 
+def trained_shards(model: nn.Module, optimizer: torch.optim.Optimizer):
+    """What the trainer hands ``save``: the model's real shards, written where the checkpoint keeps the actor's."""
+    return lambda directory: {"actor": shards.save(model, optimizer, directory / "actor")}
+
+
+def one_shard(tensors: dict[str, torch.Tensor] | None = None):
+    """A stand-in for the models' ranks, for tests of the manager alone: one actor shard file."""
+
+    def write(directory: Path) -> dict:
+        (directory / "actor").mkdir()
+        save_file(tensors or {"w": torch.arange(4.0)}, str(directory / SHARD))
+        return {"actor": {"param_groups": None}}
+
+    return write
+
+
 def save_simple(manager: CheckpointManager, step: int, **trainer) -> None:
-    model = make_model(step)
-    manager.save(step, model.state_dict(), {}, {"global_step": step, **trainer}, capture_rng())
+    manager.save(step, {"global_step": step, **trainer}, capture_rng(), one_shard({"w": torch.full((3,), step)}))
 
 
 def test_model_and_adamw_round_trip_is_bit_exact(tmp_path, no_unpickling):
@@ -62,18 +84,20 @@ def test_model_and_adamw_round_trip_is_bit_exact(tmp_path, no_unpickling):
     for seed in range(3):
         train_step(model, optimizer, seed)
     manager = CheckpointManager(tmp_path)
-    manager.save(3, model.state_dict(), optimizer.state_dict(), {"global_step": 3}, capture_rng())
+    manager.save(3, {"global_step": 3}, capture_rng(), trained_shards(model, optimizer))
 
     loaded = manager.load(3)
     assert loaded.step == 3 and loaded.path == tmp_path / "global_step_3"
-    assert loaded.optimizer["param_groups"][0]["betas"] == (0.8, 0.95)
-    assert isinstance(loaded.optimizer["param_groups"][0]["betas"], tuple)
-    assert set(loaded.optimizer["state"]) == {0, 1, 2, 3}
-    assert loaded.optimizer["state"][0]["step"].shape == ()
+    assert loaded.model is None and loaded.optimizer is None  # format 1's fields
+    (groups,) = loaded.shards["actor"]["param_groups"]
+    assert groups["betas"] == (0.8, 0.95) and isinstance(groups["betas"], tuple)
     fresh = make_model(1)
-    fresh.load_state_dict(loaded.model)
-    fresh_optimizer = torch.optim.AdamW(fresh.parameters())
-    fresh_optimizer.load_state_dict(loaded.optimizer)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters())  # its own defaults: the checkpoint's must win
+    shards.load(fresh, fresh_optimizer, loaded.path / "actor", loaded.shards["actor"])
+    assert fresh_optimizer.param_groups[0]["betas"] == (0.8, 0.95)
+    assert fresh_optimizer.param_groups[0]["weight_decay"] == 0.1
+    assert set(fresh_optimizer.state_dict()["state"]) == {0, 1, 2, 3}
+    assert all(torch.equal(s["step"], torch.tensor(3.0)) for s in fresh_optimizer.state.values())
 
     train_step(model, optimizer, 3)
     train_step(fresh, fresh_optimizer, 3)
@@ -81,7 +105,26 @@ def test_model_and_adamw_round_trip_is_bit_exact(tmp_path, no_unpickling):
         assert torch.equal(original, resumed)
 
 
-def test_tied_weights_and_dtypes_round_trip(tmp_path):
+def test_a_model_saved_before_its_first_step_resumes_with_a_fresh_optimizer(tmp_path, no_unpickling):
+    """An optimizer that never stepped has no state to keep: torch would make one up (a step of 1)."""
+    model = make_model(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    manager = CheckpointManager(tmp_path)
+    manager.save(0, {}, {}, trained_shards(model, optimizer))
+
+    loaded = manager.load(0)
+    assert loaded.shards == {"actor": {"param_groups": None}}
+    fresh = make_model(1)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    shards.load(fresh, fresh_optimizer, loaded.path / "actor", loaded.shards["actor"])
+    assert not fresh_optimizer.state
+    train_step(model, optimizer, 0)
+    train_step(fresh, fresh_optimizer, 0)
+    for original, resumed in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(original, resumed)
+
+
+def tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -93,24 +136,37 @@ def test_tied_weights_and_dtypes_round_trip(tmp_path):
         num_key_value_heads=2,
         tie_word_embeddings=True,
     )
+    return LlamaForCausalLM(config).to(torch.bfloat16)
+
+
+def test_tied_weights_and_dtypes_round_trip(tmp_path):
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters())
     state = model.state_dict()
     assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
     manager = CheckpointManager(tmp_path)
-    manager.save(1, state, {}, {}, {})
+    manager.save(1, {}, {}, trained_shards(model, optimizer))
 
-    loaded = manager.load(1).model
-    assert list(loaded) == list(state)
+    loaded = manager.load(1)
+    # The tied head is the embedding under a second name: stored once (safetensors refuses shared storage).
+    stored = load_file(str(loaded.path / SHARD))
+    assert "model.model.embed_tokens.weight" in stored and not any("lm_head" in name for name in stored)
+    torch.manual_seed(1)
+    fresh = tiny_llama()
+    shards.load(fresh, torch.optim.AdamW(fresh.parameters()), loaded.path / "actor", loaded.shards["actor"])
+    resumed = fresh.state_dict()
+    assert list(resumed) == list(state)
     for key, tensor in state.items():
-        assert loaded[key].dtype == torch.bfloat16 and torch.equal(loaded[key], tensor)
-    LlamaForCausalLM(config).to(torch.bfloat16).load_state_dict(loaded)
+        assert resumed[key].dtype == torch.bfloat16 and torch.equal(resumed[key], tensor), key
+    # Still one tensor: training the embedding trains the head.
+    assert resumed["lm_head.weight"].data_ptr() == resumed["model.embed_tokens.weight"].data_ptr()
 
 
 def test_rng_round_trip(tmp_path):
     np.random.standard_normal()  # leaves a cached Gaussian in numpy's legacy state
     manager = CheckpointManager(tmp_path)
-    manager.save(1, {}, {}, {}, capture_rng())
+    manager.save(1, {}, capture_rng(), one_shard())
     expected = (random.random(), np.random.standard_normal(), torch.rand(3))
 
     random.seed(99)
@@ -122,37 +178,202 @@ def test_rng_round_trip(tmp_path):
     assert torch.equal(drawn[2], expected[2])
 
 
-def test_trainer_state_keeps_types(tmp_path):
+def test_trainer_state_keeps_types(tmp_path, no_unpickling):
     trainer = {
         "global_step": 7,
         "dataloader": {"sampler": {"generator": torch.Generator().manual_seed(3).get_state(), "yielded": 12}},
         "metrics": {"position": 3, "window": (1, 2.5, None), "by_epoch": {0: [1.0, float("inf")]}},
     }
     manager = CheckpointManager(tmp_path)
-    manager.save(7, {}, {}, trainer, {})
+    manager.save(7, trainer, {}, one_shard())
 
     loaded = manager.load(7).trainer
     assert torch.equal(loaded["dataloader"]["sampler"]["generator"], trainer["dataloader"]["sampler"]["generator"])
     assert loaded["metrics"] == trainer["metrics"]
     assert loaded["global_step"] == 7
+    # The generator state is a tensor: it went to state.safetensors, not into the JSON.
+    assert load_file(str(tmp_path / "global_step_7" / TENSORS)).keys() == {"trainer.dataloader.sampler.generator"}
 
 
-@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.safetensors", "state.json"])
+def flip_a_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name", [SHARD, STATE, TENSORS])
 def test_corrupt_byte_is_caught_and_latest_falls_back(tmp_path, name):
     manager = CheckpointManager(tmp_path)
     save_simple(manager, 1)
     save_simple(manager, 2)
-    target = tmp_path / "global_step_2" / name
-    data = bytearray(target.read_bytes())
-    data[-2] ^= 0x01
-    target.write_bytes(bytes(data))
+    flip_a_byte(tmp_path / "global_step_2" / name)
 
-    with pytest.raises(CorruptCheckpoint, match="hash") as caught:
+    with pytest.raises(CorruptCheckpoint, match=f"{re.escape(name)} does not match its recorded hash") as caught:
         manager.load(2)
     assert caught.value.path == tmp_path / "global_step_2"
     with pytest.warns(CheckpointWarning, match="global_step_2.*hash"):
         latest = manager.latest()
     assert latest is not None and latest.step == 1
+
+
+@pytest.mark.parametrize("entry", ["actor/x.safetensors", "critic/x.safetensors", "notes.txt", "actor/sub/"])
+def test_a_file_the_manifest_does_not_list_is_corrupt_and_latest_falls_back(tmp_path, entry):
+    """The shards' reader reads every safetensors file of its directory: one slipped in beside
+    the sealed ones would be loaded unverified."""
+    manager = CheckpointManager(tmp_path)
+    save_simple(manager, 1)
+    save_simple(manager, 2)
+    target = tmp_path / "global_step_2" / entry
+    target.parent.mkdir(exist_ok=True)
+    if entry.endswith("/"):
+        target.mkdir()
+    else:
+        save_file({"w": torch.zeros(3)}, str(target))
+
+    with pytest.raises(CorruptCheckpoint, match=f"holds {re.escape(entry.rstrip('/'))}, which its manifest does not"):
+        manager.load(2)
+    with pytest.warns(CheckpointWarning, match="global_step_2: holds"):
+        assert manager.latest().step == 1
+
+
+def test_a_models_directory_linked_elsewhere_is_corrupt(tmp_path):
+    """The search for unlisted files does not follow a link: behind ``actor`` the shards' reader
+    would find files no manifest sealed, here a second rank's."""
+    manager = CheckpointManager(tmp_path)
+    save_simple(manager, 1)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(tmp_path / "global_step_1" / "actor", elsewhere)
+    save_file({"w": torch.ones(3)}, str(elsewhere / "shard-00002-model-00001-of-00001.safetensors"))
+    (tmp_path / "global_step_1" / "actor").symlink_to(elsewhere)
+
+    with pytest.raises(CorruptCheckpoint, match="through a symbolic link"):
+        manager.load(1)
+
+
+def test_an_empty_directory_of_a_model_that_saved_nothing_is_no_damage(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    save_simple(manager, 1)
+    (tmp_path / "global_step_1" / "critic").mkdir()
+    assert manager.load(1).step == 1
+
+
+def list_in_manifest(checkpoint: Path, name: str, file: Path) -> None:
+    """Add ``name`` to the manifest with ``file``'s true size and hash: only its name can fail."""
+    file.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"w": torch.zeros(3)}, str(file))
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    manifest["files"][name] = store.seal(file)
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "../x.safetensors",  # outside the checkpoint
+        "actor/../x.safetensors",
+        "actor/sub/x.safetensors",  # the models' directories are flat
+        "critic/x.bin",  # not safetensors
+        "policy/x.safetensors",  # not a trained model's directory
+        "actor/.x.safetensors",
+        "model.safetensors",  # format 1's file, in a format 2 checkpoint
+    ],
+)
+def test_a_manifest_listing_a_name_no_checkpoint_file_has_is_corrupt(tmp_path, name):
+    manager = CheckpointManager(tmp_path / "root")
+    save_simple(manager, 1)
+    checkpoint = tmp_path / "root" / "global_step_1"
+    list_in_manifest(checkpoint, name, Path(os.path.normpath(checkpoint / name)))
+
+    with pytest.raises(CorruptCheckpoint, match=r"manifest lists files \[") as caught:
+        manager.load(1)
+    assert name in caught.value.reason
+
+
+def test_a_manifest_without_the_state_tensors_is_corrupt(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    save_simple(manager, 1)
+    manifest = json.loads((tmp_path / "global_step_1" / MANIFEST).read_text())
+    del manifest["files"][TENSORS]
+    (tmp_path / "global_step_1" / TENSORS).unlink()
+    (tmp_path / "global_step_1" / MANIFEST).write_text(json.dumps(manifest))
+
+    with pytest.raises(CorruptCheckpoint, match="manifest lists files"):
+        manager.load(1)
+
+
+# -- format 1: one process's checkpoints, written before sharding, still read ------------------
+
+
+def old_split(value, key, tensors):
+    """Format 1's ``_split``, as it was: tensors to safetensors, a reference left in the JSON."""
+    if isinstance(value, torch.Tensor):
+        name = key or "tensor"
+        while name in tensors:
+            name += "_"
+        tensors[name] = value
+        return {"__skip_tensor__": name}
+    if isinstance(value, dict):
+        return {k: old_split(v, f"{key}.{k}" if key else str(k), tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [old_split(v, f"{key}.{i}" if key else str(i), tensors) for i, v in enumerate(value)]
+        return tuple(items) if isinstance(value, tuple) else items
+    return value
+
+
+def write_format_1(directory: Path, step: int, model, optimizer, trainer, rng) -> None:
+    """A checkpoint as the one-process writer made it (``checkpoint_files.write`` before format 2)."""
+    directory.mkdir(parents=True)
+    tensors: dict[str, torch.Tensor] = {}
+    state = {
+        "model_keys": list(model),
+        "optimizer": encoding.encode(old_split(optimizer, "", tensors), "optimizer"),
+        "trainer": encoding.encode(old_split(trainer, "trainer", tensors), "trainer"),
+        "rng": encoding.encode(old_split(rng, "rng", tensors), "rng"),
+    }
+    files.write_synced(directory / "state.json", json.dumps(state).encode())
+    save_file(encoding.storable(model), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    save_file(encoding.storable(tensors), str(directory / "optimizer.safetensors"), metadata={"format": "pt"})
+    manifest = {
+        "format": "skip-checkpoint",
+        "version": 1,
+        "step": step,
+        "files": {name: store.seal(directory / name) for name in ("model.safetensors", "optimizer.safetensors", STATE)},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    files.write_synced(directory / MANIFEST, json.dumps(manifest, indent=1).encode())
+
+
+def test_a_format_1_checkpoint_is_still_read_and_resumes_bit_exact(tmp_path, no_unpickling):
+    model = make_model(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1)
+    for seed in range(3):
+        train_step(model, optimizer, seed)
+    rng = capture_rng()
+    write_format_1(tmp_path / "global_step_3", 3, model.state_dict(), optimizer.state_dict(), {"global_step": 3}, rng)
+
+    loaded = CheckpointManager(tmp_path).latest()
+    assert loaded.step == 3 and loaded.shards is None
+    assert loaded.trainer == {"global_step": 3} and torch.equal(loaded.rng["torch"], rng["torch"])
+    assert list(loaded.model) == list(model.state_dict())
+    assert loaded.optimizer["param_groups"][0]["betas"] == (0.8, 0.95)
+    fresh = make_model(1)
+    fresh.load_state_dict(loaded.model)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters())
+    fresh_optimizer.load_state_dict(loaded.optimizer)
+    train_step(model, optimizer, 3)
+    train_step(fresh, fresh_optimizer, 3)
+    for original, resumed in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(original, resumed)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.safetensors", STATE])
+def test_a_format_1_checkpoint_is_verified_as_before(tmp_path, name):
+    model = make_model(0)
+    write_format_1(tmp_path / "global_step_1", 1, model.state_dict(), {}, {}, {})
+    flip_a_byte(tmp_path / "global_step_1" / name)
+
+    with pytest.raises(CorruptCheckpoint, match=f"{re.escape(name)} does not match its recorded hash"):
+        CheckpointManager(tmp_path).load(1)
 
 
 def test_checkpoint_without_manifest_is_ignored(tmp_path):
@@ -192,33 +413,63 @@ def fail_publishing(monkeypatch):
     return OSError, {}
 
 
+def fail_writing_shards(monkeypatch):
+    """A rank's disk fills halfway through its file."""
+
+    def save(model, optimizer, directory):
+        directory.mkdir()
+        (directory / "shard-00001-model-00001-of-00001.safetensors").write_bytes(b"half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(shards, "save", save)
+    return OSError, {}
+
+
 def unstorable_trainer(monkeypatch):
     return EncodingError, {"bad": object()}
 
 
-@pytest.mark.parametrize("inject", [unstorable_trainer, fail_sealing, fail_publishing])
+@pytest.mark.parametrize("inject", [unstorable_trainer, fail_writing_shards, fail_sealing, fail_publishing])
 @pytest.mark.parametrize("step", [2, 1])
 def test_failed_save_leaves_previous_checkpoint_intact(tmp_path, monkeypatch, inject, step):
     manager = CheckpointManager(tmp_path)
-    save_simple(manager, 1)
-    before = manager.load(1)
+    model = make_model(0)
+    optimizer = torch.optim.AdamW(model.parameters())
+    train_step(model, optimizer, 0)
+    manager.save(1, {"global_step": 1}, {}, trained_shards(model, optimizer))
+    before = load_file(str(tmp_path / "global_step_1" / SHARD))
     error, trainer = inject(monkeypatch)
+    train_step(model, optimizer, 1)
 
     with pytest.raises(error):
-        save_simple(manager, step, **trainer)
+        manager.save(step, {"global_step": step, **trainer}, {}, trained_shards(model, optimizer))
 
     assert sorted(os.listdir(tmp_path)) == ["global_step_1", LATEST]
     assert (tmp_path / LATEST).read_text() == "1"
     after = manager.latest()
-    assert after.step == 1 and all(torch.equal(after.model[k], v) for k, v in before.model.items())
+    assert after.step == 1 and after.trainer == {"global_step": 1}
+    stored = load_file(str(after.path / SHARD))
+    assert stored.keys() == before.keys() and all(torch.equal(stored[k], v) for k, v in before.items())
+
+
+def test_unstorable_trainer_state_fails_before_the_models_write_a_byte(tmp_path):
+    written = []
+
+    def record(directory):
+        written.append(directory)
+        return {}
+
+    with pytest.raises(EncodingError):
+        CheckpointManager(tmp_path).save(1, {"bad": object()}, {}, record)
+    assert written == []
 
 
 def test_save_replaces_existing_step(tmp_path):
     manager = CheckpointManager(tmp_path)
-    manager.save(1, {"w": torch.zeros(2)}, {}, {}, {})
-    manager.save(1, {"w": torch.ones(2)}, {}, {}, {})
+    manager.save(1, {}, {}, one_shard({"w": torch.zeros(2)}))
+    manager.save(1, {}, {}, one_shard({"w": torch.ones(2)}))
 
-    assert torch.equal(manager.load(1).model["w"], torch.ones(2))
+    assert torch.equal(load_file(str(manager.load(1).path / SHARD))["w"], torch.ones(2))
     assert sorted(os.listdir(tmp_path)) == ["global_step_1", LATEST]
 
 
@@ -236,9 +487,9 @@ def test_keep_prunes_oldest_and_latest_file_names_the_step(tmp_path):
 def test_rejects_bad_steps_and_paths_outside_root(tmp_path):
     manager = CheckpointManager(tmp_path / "root")
     with pytest.raises(ValueError, match="negative"):
-        manager.save(-1, {}, {}, {}, {})
+        manager.save(-1, {}, {}, one_shard())
     with pytest.raises(TypeError):
-        manager.save(1.5, {}, {}, {}, {})
+        manager.save(1.5, {}, {}, one_shard())
     save_simple(CheckpointManager(tmp_path / "elsewhere"), 5)
     (tmp_path / "root").mkdir()
     (tmp_path / "root" / "global_step_5").symlink_to(tmp_path / "elsewhere" / "global_step_5")
@@ -247,20 +498,14 @@ def test_rejects_bad_steps_and_paths_outside_root(tmp_path):
         manager.load(5)
 
 
-def flip_a_byte(path) -> None:
-    data = bytearray(path.read_bytes())
-    data[-2] ^= 0x01
-    path.write_bytes(bytes(data))
-
-
 def test_a_corrupt_newest_checkpoint_is_moved_aside_and_never_costs_the_one_resumed_from(tmp_path):
     """Pruning by step alone would keep the corrupt step 3 and delete step 2, the last good one."""
     for step in (1, 2, 3):
         save_simple(CheckpointManager(tmp_path, keep=2), step)
-    flip_a_byte(tmp_path / "global_step_3" / MODEL)
+    flip_a_byte(tmp_path / "global_step_3" / SHARD)
 
     manager = CheckpointManager(tmp_path, keep=2)  # the resumed run's
-    with pytest.warns(CheckpointWarning, match=r"ignoring checkpoint .*global_step_3: model\.safetensors"):
+    with pytest.warns(CheckpointWarning, match=f"ignoring checkpoint .*global_step_3: {re.escape(SHARD)}"):
         resumed = manager.latest()
     assert resumed.step == 2
     manager.pin(resumed.path)  # what find_checkpoint does with the checkpoint a run resumes from
@@ -311,13 +556,13 @@ def test_pruning_hashes_only_checkpoints_this_process_has_not_verified(tmp_path,
 
     def counted(fd):
         path = Path(os.readlink(f"/proc/self/fd/{fd}"))  # the file the descriptor hashed is open on
-        if STEP_DIR.fullmatch(path.parent.name):  # a checkpoint verified, not a file sealed while saving
-            hashed.append(path.parent.name)
+        # the checkpoint it belongs to (a shard lies a directory deeper); a file sealed while saving has none
+        hashed.extend(parent.name for parent in path.parents if STEP_DIR.fullmatch(parent.name))
         return digest(fd)
 
     monkeypatch.setattr(store, "fd_digest", counted)
     save_simple(manager, 4)
-    assert hashed == ["global_step_3"] * 3 and manager.steps() == [3, 4]
+    assert hashed == ["global_step_3"] * 3 and manager.steps() == [3, 4]  # state.json, state.safetensors, the shard
     save_simple(manager, 5)
     assert hashed == ["global_step_3"] * 3 and manager.steps() == [4, 5]
 
@@ -335,7 +580,7 @@ def test_a_manifest_nested_past_any_reader_is_corrupt_and_latest_falls_back(tmp_
 
 
 @pytest.mark.timeout(60)  # a reader blocked on the pipe fails here, not at the suite's limit
-@pytest.mark.parametrize("name", [MANIFEST, MODEL, STATE])
+@pytest.mark.parametrize("name", [MANIFEST, SHARD, STATE, TENSORS])
 def test_a_named_pipe_in_a_checkpoint_is_corrupt_not_a_hang(tmp_path, name):
     manager = CheckpointManager(tmp_path)
     save_simple(manager, 1)
@@ -343,7 +588,8 @@ def test_a_named_pipe_in_a_checkpoint_is_corrupt_not_a_hang(tmp_path, name):
     target.unlink()
     os.mkfifo(target)
 
-    with pytest.raises(CorruptCheckpoint, match=f"{name} .*named pipe"):
+    # skip_core.reading names the file alone, not its model's directory
+    with pytest.raises(CorruptCheckpoint, match=f"{re.escape(Path(name).name)} .*named pipe"):
         manager.load(1)
 
 
@@ -352,10 +598,10 @@ def test_a_manifest_recording_sizes_of_another_type_is_corrupt(tmp_path):
     save_simple(manager, 1)
     manifest = tmp_path / "global_step_1" / MANIFEST
     recorded = json.loads(manifest.read_text())
-    recorded["files"][MODEL]["bytes"] = str(recorded["files"][MODEL]["bytes"])
+    recorded["files"][SHARD]["bytes"] = str(recorded["files"][SHARD]["bytes"])
     manifest.write_text(json.dumps(recorded))
 
-    with pytest.raises(CorruptCheckpoint, match=r"manifest entry for model\.safetensors is malformed"):
+    with pytest.raises(CorruptCheckpoint, match=f"manifest entry for {re.escape(SHARD)} is malformed"):
         manager.load(1)
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from batches import ROWS, padded_batch
 from skip_plugin_trainer.algorithm_settings import CriticConfig, Optim
-from skip_plugin_trainer.train.algorithm import masked_whiten
+from skip_plugin_trainer.train.algorithm import LOSS_AGG_MODES, masked_whiten
 from skip_plugin_trainer.train.critic import Critic
 from skip_plugin_trainer.train.value import gae_advantages, value_loss, value_metrics
 
@@ -75,11 +75,33 @@ def test_a_critic_fitting_a_fixed_batch_lowers_its_loss(tiny_model_dir):
     assert max(losses[-3:]) < 0.5 * losses[0]
 
 
-def test_micro_batches_accumulate_to_the_same_update(tiny_model_dir):
-    """With seq-mean-token-mean every row weighs the same however the mini-batch is split."""
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_micro_batches_accumulate_to_the_same_update(tiny_model_dir, mode):
+    """Each micro-batch's loss is its part of the whole mini-batch's (``Totals``), so in every mode
+    three micro-batches of one row of ragged length accumulate the gradient one micro-batch of
+    three computes (it stays on the parameters after the step), and report the same loss."""
     batch = padded_batch(ROWS)
     batch.batch["returns"] = torch.tensor([1.0, -1.0, 0.5])[:, None] * batch.batch["response_mask"]
-    whole = critic(tiny_model_dir, loss_agg_mode="seq-mean-token-mean")
-    split = critic(tiny_model_dir, loss_agg_mode="seq-mean-token-mean", ppo_micro_batch_size=1)
+    whole = critic(tiny_model_dir, loss_agg_mode=mode)
+    split = critic(tiny_model_dir, loss_agg_mode=mode, ppo_micro_batch_size=1)
     batch.batch["values"] = whole.compute_values(batch).batch["values"]
-    assert whole.update(batch)["critic/grad_norm"] == pytest.approx(split.update(batch)["critic/grad_norm"], rel=1e-4)
+    whole_metrics, split_metrics = whole.update(batch), split.update(batch)
+    assert whole_metrics["critic/grad_norm"] == pytest.approx(split_metrics["critic/grad_norm"], rel=1e-5)
+    assert whole_metrics["critic/grad_norm"] > 0
+    assert whole_metrics["critic/vf_loss"] == pytest.approx(split_metrics["critic/vf_loss"], rel=1e-5)
+    for a, b in zip(whole.model.parameters(), split.model.parameters(), strict=True):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-7)
+
+
+def test_predictions_inside_the_clip_range_are_never_counted_as_clipped():
+    """verl clamps the prediction between its bounds, so one inside them is itself. Computed as
+    values + (vpreds - values) it differs from vpreds by a rounding wherever the two are of other
+    signs or magnitudes (a critic's early estimates: these are a real run's ranges), and each such
+    token rounded away from its return counted as clipped."""
+    generator = torch.Generator().manual_seed(0)
+    values = -0.06 + 0.02 * torch.randn(64, 64, generator=generator)
+    vpreds = 0.03 * torch.randn(64, 64, generator=generator)  # well inside +-0.5 of the values
+    returns = torch.randn(64, 64, generator=generator)
+    result = value_loss(vpreds, returns, values, torch.ones(64, 64), cliprange_value=0.5, loss_agg_mode="token-mean")
+    assert result.clipfrac == 0
+    assert result.loss.item() == pytest.approx(0.5 * ((vpreds - returns) ** 2).mean().item())

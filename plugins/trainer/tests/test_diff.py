@@ -17,9 +17,9 @@ from skip_core.batch import Batch
 from skip_core.cli import cli
 from skip_core.config import Namespace, StepSet
 from skip_core.store import CacheStore
-from skip_plugin_trainer.diff import TOKENS, compare
-from skip_plugin_trainer.diff_sources import DiffError
-from skip_plugin_trainer.train_data import TrainDataError, read_train_data, train_data_steps, write_train_data
+from skip_plugin_trainer.diff.compare import TOKENS, compare
+from skip_plugin_trainer.diff.sources import DiffError
+from skip_plugin_trainer.train.train_data import TrainDataError, read_train_data, train_data_steps, write_train_data
 
 SAMPLES, WIDTH = 4, 8
 FLOATS = ("rollout_log_probs", "token_level_scores", "token_level_rewards", "old_log_probs", "advantages", "returns")
@@ -212,6 +212,26 @@ def test_a_differing_grad_norm_is_reported_and_timings_are_ignored(tmp_path):
     assert result.exit_code == 1
     assert "first difference beyond tolerance: step 4, grad norms, actor/grad_norm: a=5, b=5.01" in result.output
     assert "timing" not in result.output and "perf/" not in result.output and "time_to" not in result.output
+
+
+def test_ignored_metrics_are_left_out_and_engine_counters_always_are(tmp_path):
+    """A diagnostic averaged over micro-batches moves when their split does (rollout_corr/* of
+    bypass mode with another number of actor workers); --ignore leaves it out, nothing else."""
+
+    def diagnostics(step, record):
+        record["rollout_corr/chi2_token"] = 1e-4 * step
+        record["rollout/engine/decode_rows"] = float(os.urandom(1)[0])  # how requests met in the engine
+
+    def moved(step, record):
+        diagnostics(step, record)
+        record["rollout_corr/chi2_token"] += 1e-3
+
+    a, b = make_run(tmp_path / "a", metrics_change=diagnostics), make_run(tmp_path / "b", metrics_change=moved)
+    assert compare(a, b).first.first.metric == "rollout_corr/chi2_token"
+    report = compare(a, b, ignore=["rollout_corr/*"])
+    assert report.agree and phase(report, "metrics").compared == 5 * 2  # entropy and score still compared
+    assert invoke(a, b, "--ignore", "rollout_corr/*").exit_code == 0
+    assert invoke(a, b).exit_code == 1
 
 
 def test_steps_on_one_side_only_are_named(tmp_path):

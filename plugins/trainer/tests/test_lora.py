@@ -1,8 +1,6 @@
 """LoRA on the policy (verl's ``model.lora_rank``): only the adapters train, the engines get the
 merged weights, the reference is the base model, and a checkpoint resumes the same adapters."""
 
-import copy
-
 import pytest
 import torch
 from batches import ROWS, padded_batch
@@ -63,12 +61,12 @@ def test_only_the_adapters_train_and_the_engines_get_the_merged_weights(tiny_mod
     assert torch.equal(worker.compute_ref_log_prob(batch).batch["ref_log_prob"], batch.batch["ref_log_prob"])
 
 
-def test_a_checkpoint_resumes_the_same_adapters(tiny_model_dir):
+def test_a_checkpoint_resumes_the_same_adapters(tiny_model_dir, tmp_path):
     worker = lora_policy(tiny_model_dir)
     batch = trained(worker)
-    model, optimizer = copy.deepcopy(worker.checkpoint_state())  # as a checkpoint on disk holds them
+    saved = worker.save_shards(str(tmp_path))
     resumed = lora_policy(tiny_model_dir)
-    resumed.load_checkpoint_state(model, optimizer, updates=2)
+    resumed.load_shards(str(tmp_path), saved, updates=2)
     assert all(torch.equal(a, b) for a, b in zip(published(worker).values(), published(resumed).values(), strict=True))
     worker.update(batch)
     resumed.update(batch)

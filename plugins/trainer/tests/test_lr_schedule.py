@@ -1,6 +1,7 @@
 """verl's learning-rate schedule (``actor.optim`` / ``critic.optim``): the factor by hand from
 verl's formula, the settings' verl semantics, the workers' lr update by update, and resume."""
 
+import copy
 import math
 
 import pytest
@@ -144,13 +145,15 @@ def test_a_resumed_actor_continues_the_schedule_where_the_checkpoint_stopped(tin
     batch = training_batch(uninterrupted)
     for _ in range(3):
         uninterrupted.update(batch)
-    model, optimizer = uninterrupted.checkpoint_state()
     manager = CheckpointManager(tmp_path)
-    manager.save(3, model, optimizer, {"global_steps": 3}, {})
+    manager.save(
+        3, {"global_steps": 3}, {}, lambda directory: {"actor": uninterrupted.save_shards(str(directory / "actor"))}
+    )
     saved = manager.load(3)
 
     resumed = policy(tiny_model_dir)
-    resumed.load_checkpoint_state(saved.model, saved.optimizer, updates=actor_updates(3, critic_warmup=0))
+    updates = actor_updates(3, critic_warmup=0)
+    resumed.load_shards(str(saved.path / "actor"), saved.shards["actor"], updates=updates)
     expected = uninterrupted.update(batch)["actor/lr"]
     assert expected == LR * lr_factor(SCHEDULE, TOTAL, 3) > 0
     assert resumed.update(batch)["actor/lr"] == expected
@@ -159,18 +162,19 @@ def test_a_resumed_actor_continues_the_schedule_where_the_checkpoint_stopped(tin
 
 
 def test_a_checkpoint_saved_before_schedules_resumes_onto_the_schedule(tiny_model_dir):
-    """An older checkpoint's param groups hold no ``initial_lr``: its constant lr is the base."""
+    """A checkpoint older than schedules (format 1, one process's state dicts) holds param groups
+    without ``initial_lr``: its constant lr is the base."""
     old = policy(tiny_model_dir, Optim(lr=LR))
     old.update(training_batch(old))
-    model, optimizer = old.checkpoint_state()
+    model, optimizer = old.model.state_dict(), copy.deepcopy(old.optimizer.state_dict())
     for group in optimizer["param_groups"]:
         del group["initial_lr"]
     resumed = policy(tiny_model_dir)
-    resumed.load_checkpoint_state(model, optimizer, updates=1)
+    resumed.load_full_state(model, optimizer, updates=1)
     assert resumed.update(training_batch(resumed))["actor/lr"] == LR * 0.5
 
 
-def test_the_critic_follows_and_resumes_the_same_schedule(tiny_model_dir):
+def test_the_critic_follows_and_resumes_the_same_schedule(tiny_model_dir, tmp_path):
     def critic() -> Critic:
         config = CriticConfig(ppo_mini_batch_size=3, ppo_micro_batch_size=3, optim=SCHEDULE)
         return Critic(str(tiny_model_dir), config, samples_per_prompt=1, total_training_steps=TOTAL)
@@ -183,5 +187,5 @@ def test_the_critic_follows_and_resumes_the_same_schedule(tiny_model_dir):
         LR * lr_factor(SCHEDULE, TOTAL, k) for k in range(3)
     ]
     resumed = critic()
-    resumed.load_checkpoint_state(*worker.checkpoint_state(), updates=3)
+    resumed.load_shards(str(tmp_path), worker.save_shards(str(tmp_path)), updates=3)
     assert resumed.update(batch)["critic/lr"] == worker.update(batch)["critic/lr"] == LR * lr_factor(SCHEDULE, TOTAL, 3)

@@ -16,10 +16,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 from rich.console import Console
+from safetensors.torch import save_file
 from skip_core.cli import cli
 from skip_plugin_trainer.commands import compose_config
 from skip_plugin_trainer.train.checkpoint import LATEST, CheckpointManager
-from skip_plugin_trainer.train.checkpoint_files import MODEL
 from skip_plugin_trainer.train.preflight import UnreachableStepsWarning
 from skip_plugin_trainer.train.trainer import Trainer
 from skiptests import CONFIGS
@@ -91,11 +91,21 @@ def test_a_logger_that_is_not_installed_names_trainer_logger_and_what_to_install
     assert not (tmp_path / "run").exists()
 
 
+SHARD = "actor/shard-00001-model-00001-of-00001.safetensors"
+
+
+def one_shard(directory: Path) -> dict:
+    """A stand-in for the policy's ranks: one actor shard file (the run never gets to read it)."""
+    (directory / "actor").mkdir()
+    save_file({"w": torch.zeros(2)}, str(directory / SHARD))
+    return {"actor": {"param_groups": None}}
+
+
 def corrupt(path: Path) -> str:
-    data = bytearray((path / MODEL).read_bytes())
+    data = bytearray((path / SHARD).read_bytes())
     data[-2] ^= 0x01
-    (path / MODEL).write_bytes(bytes(data))
-    return "model.safetensors does not match its recorded hash"
+    (path / SHARD).write_bytes(bytes(data))
+    return re.escape(SHARD) + " does not match its recorded hash"
 
 
 def nested(path: Path) -> str:
@@ -110,7 +120,7 @@ def missing(path: Path) -> str:
 
 @pytest.mark.parametrize("damage", [corrupt, nested, missing])
 def test_a_resume_from_path_that_does_not_verify_is_one_line_with_the_way_back(task_dir, tmp_path, damage):
-    path = CheckpointManager(tmp_path / "elsewhere").save(3, {"w": torch.zeros(2)}, {}, {}, {})
+    path = CheckpointManager(tmp_path / "elsewhere").save(3, {}, {}, one_shard)
     reason = damage(path)
 
     line = skip_run(

@@ -159,7 +159,7 @@ def test_a_resumed_run_needs_only_the_steps_after_its_checkpoint(task_dir, tmp_p
     shutil.rmtree(store(cache) / "2")
     t = trainer(task_dir, tmp_path, *NO_VALIDATION)
     t.loader.seek(2)  # where a run checkpointed after step 2 resumes
-    checkpoint = Checkpoint(2, {}, {}, {"loader": t.loader.state_dict()}, {}, tmp_path)
+    checkpoint = Checkpoint(step=2, trainer={"loader": t.loader.state_dict()}, rng={}, path=tmp_path, shards={})
     t.close()
     assert plan(task_dir, tmp_path, cache, resume_from=checkpoint).deferred
     assert not plan(task_dir, tmp_path, cache).deferred

@@ -78,6 +78,7 @@ class RolloutGroup:
         self.calls = 0
         self.restarts = 0
         self._step = 0  # of the last generation: the step a lost worker is named at
+        self.asleep = False
         self._turn = 0
         self._lock = threading.Lock()
         self._weights: WeightSource | None = None  # of the last sync
@@ -260,6 +261,16 @@ class RolloutGroup:
                 return
             with spans.span("weight_sync"):
                 self._push(range(len(self.workers)), interrupt, "during a weight sync")
+
+    def sleep(self) -> None:
+        """Colocated engines free their device memory while the actor trains (``resources.colocate``)."""
+        self._gather("sleep", dict.fromkeys(range(len(self.workers)), ()), "while going to sleep", redo=False)
+        self.asleep = True
+
+    def wake_up(self) -> None:
+        """Before weights load or anything generates; a worker restarted meanwhile is awake already."""
+        self._gather("wake_up", dict.fromkeys(range(len(self.workers)), ()), "while waking up", redo=False)
+        self.asleep = False
 
     def engine_counters(self) -> dict[str, float]:
         """Every worker's engine counters (``RolloutBackend.counters``), summed."""

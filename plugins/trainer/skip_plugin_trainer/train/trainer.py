@@ -26,7 +26,7 @@ from ray.exceptions import RayActorError
 from rich.console import Console
 from skip_core import spans
 from skip_core.batch import Batch
-from skip_core.config import lookup
+from skip_core.config import ConfigError, lookup
 from skip_core.loop_thread import LoopThread
 from skip_core.manager import SkipManager
 from skip_core.schedule import Schedule, StepRecord
@@ -58,9 +58,9 @@ from skip_plugin_trainer.train.resume import (
     trainer_state,
 )
 from skip_plugin_trainer.train.rollout_group import WorkerLost
+from skip_plugin_trainer.train.train_data import save_train_data
 from skip_plugin_trainer.train.train_only import plan_engines
 from skip_plugin_trainer.train.workers import Cluster
-from skip_plugin_trainer.train_data import save_train_data
 
 
 class Trainer:
@@ -79,6 +79,11 @@ class Trainer:
         torch.manual_seed(s.trainer.seed)
         schedules = registry().schedules
         self.schedule: Schedule = lookup("trainer.schedule", "schedule", s.trainer.schedule, schedules)(s.sections)
+        if s.resources.colocate and self.schedule.overlapped:
+            raise ConfigError(
+                f"resources.colocate: the engines sleep while the actor trains, which trainer.schedule="
+                f"{s.trainer.schedule} does not allow (it generates meanwhile); use the sync schedule"
+            )
         self.parts = RolloutParts.from_settings(s)
         SkipManager.activate(s.roles, s.namespace, s.setup)
         prepare_task(s)
@@ -245,6 +250,9 @@ class Trainer:
         stale = self._actor_version - batch.non_tensor_batch["min_weight_version"]
         record.metrics["training/staleness"] = float(stale.mean())
         record.metrics["training/staleness_max"] = float(stale.max())
+        if self.settings.resources.colocate:  # the actor gets the device; sync_weights wakes the engines
+            with record.timed("sleep"):
+                self.rollout.sleep()
         self.phases.train(batch, record)
         self._actor_version = record.step
 
@@ -273,6 +281,8 @@ class Trainer:
     def sync_weights(self, interrupt: bool = False) -> None:
         if not interrupt and any(not future.done() for future in self._in_flight):
             raise RuntimeError("sync_weights: a generation is in flight; wait for it first")
+        if self.rollout.asleep:  # verl's order: the engine's memory back, then the new weights into it
+            self.rollout.wake_up()
         self.rollout.update_weights(self.cluster.weights, self._actor_version, interrupt)
         self._rollout_version = self._actor_version
 

@@ -55,7 +55,10 @@ def value_loss(
     """PPO's clipped value loss: a new prediction may move at most ``cliprange_value`` from the
     value the advantages were computed with, unless that moves it further from the return. With
     ``totals``, these rows' parts of their mini-batch's loss and clip fraction (``Totals``)."""
-    clipped = values + (vpreds - values).clamp(-cliprange_value, cliprange_value)
+    # Clamped between bounds, as verl does: inside them it is vpreds exactly. values + (vpreds -
+    # values) differs from vpreds by a rounding where the two differ in sign or magnitude, and
+    # counted such tokens as clipped.
+    clipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
     unclipped_loss, clipped_loss = (vpreds - returns) ** 2, (clipped - returns) ** 2
     loss = 0.5 * agg_loss(torch.maximum(unclipped_loss, clipped_loss), response_mask, loss_agg_mode, totals)
     clipfrac = token_share((clipped_loss > unclipped_loss).float(), response_mask, totals)

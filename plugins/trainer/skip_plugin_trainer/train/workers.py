@@ -65,6 +65,14 @@ class RolloutWorker(Located):
     def engine_counters(self) -> dict[str, float]:
         return self.loop.backend.counters()
 
+    def sleep(self) -> None:
+        with spans.span("engine_sleep", step=self.step):
+            self.loop.sleep()
+
+    def wake_up(self) -> None:
+        with spans.span("engine_wake", step=self.step):
+            self.loop.wake_up()
+
     def shutdown(self) -> None:
         """Stop the engine and write out the spans still buffered (``ray.kill`` would lose them)."""
         try:
@@ -199,12 +207,23 @@ class PoolSpec:
         return {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {}), **self.ray_resources}
 
     def unplaceable(self) -> str:
-        have = ", ".join(f"{v:g} {k}" for k, v in sorted(ray.cluster_resources().items()) if "node:" not in k)
+        cluster = ray.cluster_resources()
+        if self.gpus and not cluster.get("GPU"):
+            return (
+                f"resources.{self.name}.gpus_per_worker: the {self.name} pool asks for {self.gpus:g} GPU per "
+                f"worker, and the Ray cluster has none ({_listed(cluster)})"
+            )
         asked = " + ".join(f"{v:g} {k}" for k, v in self.bundle.items())
         return (
             f"resources.{self.name}: the {self.name} pool needs {self.bundles} x ({asked}), which the Ray "
-            f"cluster ({have}) cannot place next to the other pools"
+            f"cluster ({_listed(cluster)}) cannot place next to the other pools"
         )
+
+
+def _listed(resources: Mapping[str, float]) -> str:
+    """What a cluster offers a pool: CPUs, GPUs and custom resources (not its nodes or memory)."""
+    hidden = ("node:", "memory", "object_store_memory", "accelerator_type:")
+    return ", ".join(f"{v:g} {k}" for k, v in sorted(resources.items()) if not k.startswith(hidden)) or "nothing"
 
 
 class Pool:

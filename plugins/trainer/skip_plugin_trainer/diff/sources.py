@@ -1,5 +1,5 @@
 """What ``skip diff`` compares, read from disk: a run directory (``metrics.jsonl`` and
-``train_data/``, see ``skip_plugin_trainer.train_data``) or a skip cache (``skip_core.store``).
+``train_data/``, see ``skip_plugin_trainer.train.train_data``) or a skip cache (``skip_core.store``).
 
 Both are read as hostile: every file through ``skip_core.reading`` or the store's own verifying
 read, and anything wrong is a ``DiffError`` naming the path, which the command prints as one line.
@@ -31,7 +31,7 @@ class Run:
     """A run directory: the metrics of each step, and the training data of the steps that wrote it."""
 
     def __init__(self, path: Path) -> None:
-        from skip_plugin_trainer.train_data import train_data_steps
+        from skip_plugin_trainer.train.train_data import train_data_steps
 
         self.path = path
         self.notes: list[str] = []
@@ -42,7 +42,7 @@ class Run:
         return self._tensor_steps | set(self.metrics)
 
     def tensors(self, step: int) -> dict[str, Any]:
-        from skip_plugin_trainer.train_data import DIRECTORY, read_train_data
+        from skip_plugin_trainer.train.train_data import DIRECTORY, read_train_data
 
         if step not in self._tensor_steps:
             return {}

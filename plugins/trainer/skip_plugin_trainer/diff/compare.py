@@ -13,22 +13,16 @@ compare results of different tokens. ``compare`` returns the ``Report``; the com
 
 from __future__ import annotations
 
-import os
-import sys
-from collections.abc import Callable, Container, Mapping
+import fnmatch
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import click
 import numpy as np
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 from skip_core.config import StepSet
-from skip_core.errors import TRACEBACK_SWITCH, SkipError
 
-from skip_plugin_trainer.diff_sources import DiffError, open_source
+from skip_plugin_trainer.diff.sources import DiffError, open_source
 
 TOKENS = "rollout tokens"
 #: The per-token results after the rollout, in the order a step computes them.
@@ -165,29 +159,36 @@ class Report:
         if d is None or d.step != phase.first_step:
             step, shapes = phase.shapes[0]
             return f"first difference beyond tolerance: step {step}, {phase.name}: shapes differ ({shapes})"
-        values = f"a={_num(d.a)}, b={_num(d.b)}" + ("" if phase.exact else f", |diff|={d.diff:.3g}")
+        values = f"a={shown(d.a)}, b={shown(d.b)}" + ("" if phase.exact else f", |diff|={d.diff:.3g}")
         return f"first difference beyond tolerance: step {d.step}, {phase.name}, {d.place}: {values}"
 
 
 def compare(
-    a: Path, b: Path, atol: float = 1e-5, rtol: float = 1e-4, steps: Container[int] | None = None, top: int = 5
+    a: Path,
+    b: Path,
+    atol: float = 1e-5,
+    rtol: float = 1e-4,
+    steps: Container[int] | None = None,
+    top: int = 5,
+    ignore: Sequence[str] = (),
 ) -> Report:
     """Compare the runs or caches ``a`` and ``b`` over their common ``steps`` (all by default);
-    ``top``: how many differences each phase keeps. ``DiffError`` naming the path for input that
-    cannot be compared."""
+    ``top``: how many differences each phase keeps; ``ignore``: patterns (``fnmatch``) of metrics
+    left out. ``DiffError`` naming the path for input that cannot be compared."""
     first, second = open_source(a), open_source(b)
     in_a = {s for s in first.steps() if steps is None or s in steps}
     in_b = {s for s in second.steps() if steps is None or s in steps}
     report = Report(first.path, second.path, atol, rtol, sorted(in_a & in_b), sorted(in_a - in_b), sorted(in_b - in_a))
     report.notes = {note: [] for note in first.notes + second.notes}
-    comparison = _Comparison(report, top)
+    comparison = _Comparison(report, top, ignore)
     for step in report.steps:
         comparison.tensors(step, first.tensors(step), second.tensors(step))
         comparison.metrics(step, first.metrics.get(step, {}), second.metrics.get(step, {}))
     report.phases = [p for p in comparison.phases.values() if p.steps or p.shapes]
     if not report.phases:
         raise DiffError(
-            f"nothing in common to compare: {first.path} has steps {_ranges(in_a)}, {second.path} has {_ranges(in_b)}"
+            f"nothing in common to compare: {first.path} has steps {step_ranges(in_a)}, "
+            f"{second.path} has {step_ranges(in_b)}"
         )
     return report
 
@@ -195,8 +196,8 @@ def compare(
 class _Comparison:
     """The phases of a ``Report`` filled step by step."""
 
-    def __init__(self, report: Report, top: int) -> None:
-        self.report, self.top = report, top
+    def __init__(self, report: Report, top: int, ignore: Sequence[str]) -> None:
+        self.report, self.top, self.ignore = report, top, ignore
         self.phases = {name: PhaseResult(name) for name in PHASES}
 
     def note(self, text: str, step: int) -> None:
@@ -251,6 +252,7 @@ class _Comparison:
 
     def metrics(self, step: int, ma: Mapping[str, float], mb: Mapping[str, float]) -> None:
         keys = {key for key in ma.keys() | mb.keys() if not key.startswith(TIMING) and "time" not in key}
+        keys = {key for key in keys if not any(fnmatch.fnmatchcase(key, pattern) for pattern in self.ignore)}
         for key in sorted(keys - (ma.keys() & mb.keys())):
             self.note(f"metric {key}: only in {'A' if key in ma else 'B'}", step)
         groups: dict[str, list[str]] = {}
@@ -299,89 +301,9 @@ def _metric(names: list[str]) -> Callable[[int], dict]:
     return lambda i: {"metric": names[i]}
 
 
-def _num(value: float) -> str:
+def shown(value: float) -> str:
     return str(value) if isinstance(value, int) else f"{value:.6g}"
 
 
-def _ranges(steps: Any) -> str:
+def step_ranges(steps: Any) -> str:
     return str(StepSet((s, s) for s in steps)) or "none"
-
-
-def render(report: Report, console: Console) -> None:
-    """The report: a table of the phases, what was not compared, the largest differences of the
-    phase that differs first, and the headline."""
-    table = Table(title=Text(f"skip diff  A: {report.a}  B: {report.b}"), title_justify="left")
-    columns = ("phase", "steps", "compared", "beyond tolerance", "samples left out", "max |a-b|", "at", "mean |a-b|")
-    for column in (*columns, "first step beyond"):
-        table.add_column(column, overflow="fold")
-    for p in report.phases:
-        largest = p.largest if not p.exact else None
-        cells = [p.name, _ranges(p.steps), p.compared, p.beyond, p.left_out if p.name in PER_TOKEN else "-"]
-        cells += [
-            f"{largest.diff:.3g}" if largest else "-",
-            f"step {largest.step}, {largest.place}" if largest and largest.diff else "-",
-        ]
-        cells += ["-" if p.exact else f"{p.mean:.3g}", "-" if p.first_step is None else p.first_step]
-        table.add_row(*(Text(str(c), style="red" if p.first_step is not None else "") for c in cells))
-    console.print(table)
-    for label, steps in (("steps only in A", report.only_a), ("steps only in B", report.only_b)):
-        if steps:
-            console.print(Text(f"{label}: {_ranges(steps)}"))
-    for note, steps in report.notes.items():
-        console.print(Text(note + (f" (steps {_ranges(steps)})" if steps else "")))
-    phase = report.first
-    if phase is not None and phase.top:
-        kind = "first" if phase.exact else "largest"
-        top = Table(title=Text(f"{phase.name}: the {len(phase.top)} {kind} differences"), title_justify="left")
-        for column in ("step", "where", "a", "b", "|a-b|"):
-            top.add_column(column, overflow="fold")
-        for d in phase.top:
-            top.add_row(*(Text(c) for c in (str(d.step), d.place, _num(d.a), _num(d.b), f"{d.diff:.3g}")))
-        console.print(top)
-    console.print(Text(report.headline(), style="green" if report.agree else "bold red"))
-
-
-class _Incomparable(click.ClickException):
-    """Input that cannot be compared: exit 2, as ``diff`` exits on trouble, never 1 (they differ)."""
-
-    exit_code = 2
-
-
-def _steps(ctx: click.Context, param: click.Parameter, value: str | None) -> StepSet | None:
-    if value is None:
-        return None
-    from pydantic import TypeAdapter, ValidationError
-
-    try:
-        return TypeAdapter(StepSet).validate_python([part.strip() for part in value.split(",")])
-    except ValidationError as exc:
-        raise click.BadParameter(exc.errors()[0]["msg"]) from None
-
-
-@click.command("diff")
-@click.argument("a", type=click.Path(path_type=Path))
-@click.argument("b", type=click.Path(path_type=Path))
-@click.option("--atol", type=click.FloatRange(min=0), default=1e-5, show_default=True, help="Absolute tolerance.")
-@click.option(
-    "--rtol", type=click.FloatRange(min=0), default=1e-4, show_default=True, help="Relative tolerance (of B)."
-)
-@click.option("--steps", callback=_steps, help="Only these steps: 3, 1..20, 5.. or a comma-separated list of them.")
-@click.option("--top", type=click.IntRange(min=0), default=5, show_default=True, help="Differences listed.")
-def diff(a: Path, b: Path, atol: float, rtol: float, steps: StepSet | None, top: int) -> None:
-    """Compare two runs (or two skip caches) A and B step by step and phase by phase.
-
-    A and B are run directories (metrics.jsonl, train_data/) or skip caches (a dump_dir, a run's
-    directory in one, or a GBS... directory). Exit 0 when everything compared agrees within
-    tolerance (|a-b| <= atol + rtol*|b|; tokens exactly), 1 when something differs, 2 when A and
-    B cannot be compared.
-    """
-    from skip_plugin_trainer.commands import console
-
-    try:
-        report = compare(a, b, atol, rtol, steps, top)
-    except SkipError as exc:
-        if os.environ.get(TRACEBACK_SWITCH) == "1":
-            raise
-        raise _Incomparable(" ".join(str(exc).split())) from None
-    render(report, console)
-    sys.exit(0 if report.agree else 1)

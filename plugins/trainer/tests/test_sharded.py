@@ -1,0 +1,144 @@
+"""The sharded actor end to end: ``resources.actor.workers=2`` (two Ray ranks, FSDP2 over gloo)
+against one worker, compared by ``skip diff`` at the README's tolerance; checkpoints that resume
+with another number of workers; colocated engines put to sleep while the actor trains."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from skip_plugin_trainer.diff import compare
+from skip_plugin_trainer.train.train_data import read_train_data
+from training import metrics, train
+
+TOLERANCE = {"atol": 1e-5, "rtol": 1e-4}  # the README's, "Training on GPUs"
+KL = ("actor.use_kl_loss=true", "actor.entropy_coeff=0.01")  # the reference model is sharded too
+
+
+def run(task_dir, directory: Path, workers: int, *more: str) -> Path:
+    train(
+        task_dir,
+        directory,
+        f"resources.actor.workers={workers}",
+        "trainer.total_training_steps=3",
+        "trainer.save_train_data=true",
+        "trainer.test_freq=-1",
+        *more,
+    )
+    return directory / "run"
+
+
+def agree(a: Path, b: Path, phases: set[str]) -> None:
+    report = compare(a, b, **TOLERANCE)
+    assert report.agree, report.headline()
+    compared = {phase.name for phase in report.phases if phase.compared}
+    assert phases <= compared, compared
+    assert report.steps == [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def sync_runs(ray_session, task_dir, tmp_path_factory) -> dict[int, Path]:
+    """sync with a KL loss at one worker (colocated and profiled: the sleep test reads it) and at two
+    (saving a checkpoint each step: the resume test continues one)."""
+    base = tmp_path_factory.mktemp("sharded")
+    one = ("resources.colocate=true", "profiling.enable=true", f"profiling.dir={base / 'profile'}")
+    return {
+        1: run(task_dir, base / "one", 1, *KL, *one),
+        2: run(task_dir, base / "two", 2, *KL, "trainer.save_freq=1", "trainer.max_ckpt_to_keep=3"),
+    }
+
+
+def test_two_actor_workers_train_as_one(sync_runs):
+    agree(sync_runs[1], sync_runs[2], {"rollout tokens", "old_log_probs", "ref_log_prob", "advantages", "losses"})
+    rows = metrics(sync_runs[2])
+    assert all(row["actor/kl_loss"] > 0 and math.isfinite(row["actor/grad_norm"]) for row in rows[1:])
+
+
+def test_a_checkpoint_of_two_workers_resumes_on_one_and_continues_the_same_run(sync_runs, task_dir, tmp_path):
+    checkpoint = sync_runs[2] / "global_step_2"
+    assert sorted(p.name for p in (checkpoint / "actor").iterdir()) == [
+        "shard-00001-model-00001-of-00001.safetensors",
+        "shard-00002-model-00001-of-00001.safetensors",
+    ]
+    resumed = run(
+        task_dir, tmp_path, 1, *KL, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={checkpoint}"
+    )
+    assert [row["step"] for row in metrics(resumed)] == [3]
+    report = compare(sync_runs[2], resumed, **TOLERANCE)
+    assert report.steps == [3] and report.agree, report.headline()
+
+
+def test_colocated_engines_sleep_while_the_actor_trains(sync_runs):
+    """Per step: generation, the engines asleep, the actor's update, the engines awake, the new
+    weights, the next generation (the hf engine refuses to generate asleep, so a missed wake fails
+    the run, not only this test)."""
+    profile = sync_runs[1].parent.parent / "profile"
+    events = []
+    for path in sorted(profile.glob("step_*/worker_*.jsonl")):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            events.append((row["start"], row["start"] + row["duration_sec"], row["event"], row["step"]))
+    order = ("generate", "engine_sleep", "trainer/update_actor", "engine_wake", "weight_sync")
+    for step in (1, 2, 3):
+        spans = {name: [(s, e) for s, e, n, k in events if n == name and k == step] for name in order}
+        assert all(spans.values()), {name: len(found) for name, found in spans.items()}
+        last_generated = max(end for _, end in spans["generate"])
+        (sleep,), (update,), (wake,) = spans["engine_sleep"], spans["trainer/update_actor"], spans["engine_wake"]
+        assert last_generated <= sleep[0] and sleep[1] <= update[0] and update[1] <= wake[0]
+        assert wake[1] <= min(start for start, _ in spans["weight_sync"])
+
+
+def test_one_step_off_with_a_sharded_critic_matches_one_worker(ray_session, task_dir, tmp_path):
+    gae = ("trainer.schedule=one_step_off", "algorithm.adv_estimator=gae")
+    one, two = run(task_dir, tmp_path / "one", 1, *gae), run(task_dir, tmp_path / "two", 2, *gae)
+    agree(one, two, {"rollout tokens", "values", "advantages", "returns", "losses", "grad norms"})
+    assert all(row["critic/vf_loss"] >= 0 for row in metrics(two))
+
+
+def test_fully_async_trains_on_two_workers(ray_session, task_dir, tmp_path):
+    """fully_async trains on whichever samples finish first, so no two of its runs share their
+    batches, sharded or not: this run is checked for training, not against another."""
+    two = run(task_dir, tmp_path, 2, "trainer.schedule=fully_async", *KL)  # the tiny model scores 0: KL moves it
+    rows = metrics(two)
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert all(math.isfinite(row["actor/grad_norm"]) and row["actor/grad_norm"] > 0 for row in rows)
+    data = read_train_data(two / "train_data" / "step_3.safetensors")
+    assert torch.isfinite(data["old_log_probs"]).all() and data["responses"].shape[0] == 8
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (
+            ("resources.actor.gpus_per_worker=1",),
+            "resources.actor.gpus_per_worker: the actor pool asks for 1 GPU per worker, and the Ray cluster has none",
+        ),
+        (
+            ("resources.rollout.gpus_per_worker=1",),
+            "resources.rollout.gpus_per_worker: the rollout pool asks for 1 GPU per worker, and the Ray cluster",
+        ),
+        (("trainer.device=cuda",), "trainer.device: cuda needs a GPU for each actor worker"),
+        (
+            ("trainer.device=cpu", "resources.actor.gpus_per_worker=0.5"),
+            "resources.actor.gpus_per_worker: 0.5 GPUs asked for an actor that trains on the CPU",
+        ),
+        (
+            ("resources.actor.workers=3",),
+            "resources.actor.workers: 3 workers cannot share the actor's mini-batch of 2 prompts x rollout.n=2",
+        ),
+        (("resources.colocate=true", "trainer.schedule=one_step_off"), "resources.colocate: the engines sleep"),
+    ],
+)
+def test_a_device_or_worker_count_the_run_cannot_have_fails_in_one_line(
+    ray_session, task_dir, tmp_path, settings, message
+):
+    from click.testing import CliRunner
+    from skip_core.cli import cli
+    from skiptests import CONFIGS
+    from training import overrides
+
+    result = CliRunner().invoke(cli, ["run", "--config-dir", str(CONFIGS), *overrides(task_dir, tmp_path, *settings)])
+    assert result.exit_code == 1 and message in result.output, result.output
+    assert len(result.output.strip().splitlines()) <= 3  # the error line, after at most Ray's start-up lines
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
