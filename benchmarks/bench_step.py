@@ -4,7 +4,13 @@ Runs the main job twice in one invocation, in a temporary directory: first gener
 every step's rollout, then the same run replaying them from the skip cache. Prints the mean
 seconds per phase over the steps of each run and the share of `gen` in the step.
 
+With `--actor-workers`, what sharding the policy costs per step: after the run that generates and
+dumps, one run per N replaying every rollout from that cache (so generation does not blur the
+comparison) with `resources.actor.workers=N` (FSDP2 over N ranks, sharing `resources.actor.cpus`).
+Prints one table, a column per N, and each N's ratio to the first.
+
     python benchmarks/bench_step.py --steps 10
+    python benchmarks/bench_step.py --steps 6 --actor-workers 1 2
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 PHASES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "step")
+SHARDED = ("gen", "old_log_prob", "update_actor", "update_weights", "step")  # what --actor-workers compares
 
 
 def train(directory: Path, task_dir: Path, steps: int, extra: list[str]) -> list[dict]:
@@ -37,7 +44,9 @@ def train(directory: Path, task_dir: Path, steps: int, extra: list[str]) -> list
         "trainer.val_before_train=false",
         *extra,
     ]
-    subprocess.run([str(skip), "run", *overrides], check=True, capture_output=True)
+    done = subprocess.run([str(skip), "run", *overrides], capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"skip run {' '.join(extra)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
     lines = (directory / "run" / "metrics.jsonl").read_text().splitlines()
     return [row for row in map(json.loads, lines) if row["step"] > 0]
 
@@ -46,14 +55,51 @@ def means(rows: list[dict]) -> dict[str, float]:
     return {p: sum(r.get(f"timing_s/{p}", 0.0) for r in rows) / len(rows) for p in PHASES}
 
 
+def sharded(args: argparse.Namespace) -> None:
+    """One generating run, then one replaying run per ``--actor-workers`` N; one table."""
+    workers: list[int] = args.actor_workers
+    with tempfile.TemporaryDirectory(prefix="bench-step-") as tmp:
+        task_dir = (args.task_dir or Path(tmp) / "embedded").absolute()
+        train(Path(tmp), task_dir, args.steps, args.overrides)  # fills the cache
+        replayed = {
+            n: means(train(Path(tmp), task_dir, args.steps, [*args.overrides, f"resources.actor.workers={n}"]))
+            for n in workers
+        }
+    base = workers[0]
+    table = Table(title=f"skip run replaying its rollouts, mean seconds per step over {args.steps} steps")
+    table.add_column("phase", justify="right")
+    for n in workers:
+        table.add_column(f"{n} worker{'s' if n > 1 else ''}", justify="right")
+    for n in workers[1:]:
+        table.add_column(f"ratio {n} / {base}", justify="right")
+    for phase in SHARDED:
+        row = replayed[base][phase]
+        ratios = [f"{replayed[n][phase] / row:.2f}x" if row > 0 else "-" for n in workers[1:]]
+        label = "gen (cache load)" if phase == "gen" else phase
+        table.add_row(label, *(f"{replayed[n][phase]:.3f}" for n in workers), *ratios)
+    Console().print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument(
         "--task-dir", type=Path, default=None, help="a built embedded default to reuse (default: built in a temp dir)"
     )
+    parser.add_argument(
+        "--actor-workers",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="replay the cached rollouts once per N with resources.actor.workers=N and compare the phases "
+        "(put overrides before this option)",
+    )
     parser.add_argument("overrides", nargs="*", help="extra `skip run` overrides, e.g. rollout.n=8")
     args = parser.parse_args()
+    if args.actor_workers:
+        sharded(args)
+        return
     with tempfile.TemporaryDirectory(prefix="bench-step-") as tmp:
         task_dir = (args.task_dir or Path(tmp) / "embedded").absolute()
         generated = means(train(Path(tmp), task_dir, args.steps, args.overrides))

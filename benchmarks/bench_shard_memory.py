@@ -1,0 +1,230 @@
+"""What sharding the policy with FSDP2 divides: its parameters, gradients and AdamW state, per rank.
+
+A Qwen2-0.5B-shaped model (its config, random weights, float32, built here and saved with
+``save_pretrained`` in a temporary directory: nothing is downloaded), then, for each N of
+``--workers``, N fresh processes (spawned), one rank each of the real ``Policy``: rank 0's
+rendezvous on 127.0.0.1, gloo, ``fully_shard`` on each decoder layer and on the root (a single
+rank: no group, the plain model). Every rank takes the log-probs of its share of one synthetic
+batch (verl's layout: prompts left-padded, responses right-padded), then runs one real update
+(``update_share``) on its share of each mini-batch, cut as the driver's ``ModelGroup.update`` cuts
+it (with the mini-batches' ``totals``). Each rank reports the bytes of its local tensors (a
+DTensor's ``to_local()``): parameters, gradients and AdamW state (``exp_avg``, ``exp_avg_sq``,
+``step``); and its peak RSS (``getrusage``'s ``ru_maxrss``) before the model is built, after it
+is built (loaded whole, then sharded) and after the update. Ranks of one N run at the same time
+and share the machine's CPUs (``torch`` threads: the CPUs over N).
+
+    python benchmarks/bench_shard_memory.py --layers 2
+    python benchmarks/bench_shard_memory.py --workers 1 2            # the full 24 layers: ~10 GB for N=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+QWEN2_05B = {  # Qwen/Qwen2-0.5B's shape
+    "vocab_size": 151936,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 4096,
+}
+MIB = 1 << 20
+
+
+def build_model(rank: int, directory: str, layers: int) -> None:
+    """Random weights in Qwen2-0.5B's shape (``layers`` decoder layers), saved as safetensors.
+    Spawned, so that the driver never holds the model."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(**{**QWEN2_05B, "num_hidden_layers": layers})).save_pretrained(directory)
+
+
+def synthetic_batch(samples: int, prompt: int, response: int, vocab: int):
+    """``samples`` rows of at most ``prompt`` + ``response`` tokens, random ids, ragged lengths (the
+    first row uses both widths whole); ``advantages`` of either sign. The same in every rank."""
+    import torch
+    from skip_core.batch import Batch
+
+    generator = torch.Generator().manual_seed(0)
+    prompt_lengths = torch.randint(prompt // 2, prompt + 1, (samples,), generator=generator)
+    response_lengths = torch.randint(response // 2, response + 1, (samples,), generator=generator)
+    prompt_lengths[0], response_lengths[0] = prompt, response
+    prompt_mask = (torch.arange(prompt) >= prompt - prompt_lengths[:, None]).long()
+    response_mask = (torch.arange(response) < response_lengths[:, None]).long()
+    prompts = torch.randint(1, vocab, (samples, prompt), generator=generator) * prompt_mask
+    responses = torch.randint(1, vocab, (samples, response), generator=generator) * response_mask
+    positions = (prompt_mask.cumsum(1) - 1).clamp(min=0)
+    advantages = torch.randn(samples, 1, generator=generator) * response_mask
+    return Batch(
+        {
+            "input_ids": torch.cat([prompts, responses], 1),
+            "attention_mask": torch.cat([prompt_mask, response_mask], 1),
+            "position_ids": torch.cat([positions, positions[:, -1:] + torch.arange(1, response + 1)], 1),
+            "responses": responses,
+            "response_mask": response_mask,
+            "advantages": advantages.float(),
+        }
+    )
+
+
+def shares(batch, mini_batch: int, ranks: int) -> list:
+    """Each rank's share of every mini-batch, with the mini-batches' totals (``ModelGroup.update``)."""
+    from skip_core.batch import Batch
+    from skip_plugin_trainer.train.algorithm import Totals
+
+    minis = batch.chunk(len(batch) // mini_batch)
+    totals = [Totals.of(mini.batch["response_mask"]) for mini in minis]
+    cut = [mini.chunk(ranks) for mini in minis]
+    out = [Batch.concat([pieces[rank] for pieces in cut]) for rank in range(ranks)]
+    for share in out:
+        share.meta_info = {"totals": totals}
+    return out
+
+
+def peak_rss() -> int:
+    """The process's peak resident set so far, in bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def local_bytes(tensors) -> int:
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for tensor in tensors:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        total += local.numel() * local.element_size()
+    return total
+
+
+def rank_main(rank: int, world: int, address: str, options: dict, out: str) -> None:
+    """One rank: build the ``Policy``, take log-probs of its share, update on it, report."""
+    import torch
+    from skip_plugin_trainer.algorithm_settings import ActorConfig, Optim
+    from skip_plugin_trainer.train.distributed import Group
+    from skip_plugin_trainer.train.policy import Policy
+
+    before = peak_rss()
+    config = ActorConfig(
+        ppo_mini_batch_size=options["samples"],  # one optimizer step over the whole batch
+        ppo_micro_batch_size=options["micro"],
+        optim=Optim(lr=1e-5),
+    )
+    group = Group(rank, world, address) if world > 1 else None
+    policy = Policy(
+        options["model"],
+        config,
+        samples_per_prompt=1,
+        threads=max(1, options["cpus"] // world),
+        group=group,
+        device="cpu",
+    )
+    built = peak_rss()
+    batch = synthetic_batch(options["samples"], options["prompt"], options["response"], QWEN2_05B["vocab_size"])
+    share = shares(batch, options["samples"], world)[rank]
+    share.batch["old_log_probs"] = policy.compute_log_prob(share).batch["old_log_probs"]
+    start = time.perf_counter()
+    metrics = policy.update_share(share)
+    seconds = time.perf_counter() - start
+    model, optimizer = policy.model, policy.optimizer
+    result = {
+        "params": local_bytes(model.parameters()),
+        "grads": local_bytes(p.grad for p in model.parameters() if p.grad is not None),
+        "optimizer": local_bytes(
+            value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)
+        ),
+        "before": before,
+        "built": built,
+        "peak": peak_rss(),
+        "update_s": seconds,
+        "grad_norm": metrics.means["actor/grad_norm"][0],
+    }
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run(world: int, options: dict, directory: Path) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    out = directory / f"workers{world}"
+    out.mkdir()
+    address = f"127.0.0.1:{free_port()}"
+    mp.spawn(rank_main, args=(world, address, options, str(out)), nprocs=world, join=True)
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=24, help="decoder layers (Qwen2-0.5B: 24; 2 for a quick check)")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], metavar="N", help="ranks to compare")
+    parser.add_argument("--samples", type=int, default=4, help="samples in the batch (one mini-batch)")
+    parser.add_argument("--prompt", type=int, default=64, help="prompt width (tokens)")
+    parser.add_argument("--response", type=int, default=64, help="response width (tokens)")
+    parser.add_argument("--micro", type=int, default=2, help="samples per forward/backward (ppo_micro_batch_size)")
+    args = parser.parse_args()
+    for world in args.workers:
+        if args.samples % world or (args.samples // world) % 1:
+            parser.error(f"--samples {args.samples} does not split over {world} ranks")
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="bench-shard-memory-") as tmp:
+        model = Path(tmp) / "model"
+        mp.spawn(build_model, args=(str(model), args.layers), nprocs=1, join=True)
+        options = {
+            "model": str(model),
+            "samples": args.samples,
+            "prompt": args.prompt,
+            "response": args.response,
+            "micro": args.micro,
+            "cpus": os.cpu_count() or 1,
+        }
+        results = {world: run(world, options, Path(tmp)) for world in args.workers}
+
+    base = results[args.workers[0]][0]
+    base_state = base["params"] + base["grads"] + base["optimizer"]
+    table = Table(
+        title=f"Policy sharded with FSDP2, per rank: Qwen2-0.5B shape, {args.layers} layers, float32, "
+        f"{args.samples} x ({args.prompt} + {args.response}) tokens, micro-batch {args.micro}"
+    )
+    columns = ("N", "rank", "params MiB", "grads MiB", "optimizer MiB", "state MiB", f"state / N={args.workers[0]}")
+    columns += ("RSS before model MiB", "peak RSS built MiB", "peak RSS MiB", f"peak RSS / N={args.workers[0]}")
+    for column in (*columns, "update s", "grad norm"):
+        table.add_column(column, justify="right")
+    for world, ranks in results.items():
+        for rank, r in enumerate(ranks):
+            state = r["params"] + r["grads"] + r["optimizer"]
+            table.add_row(
+                str(world),
+                str(rank),
+                *(f"{r[key] / MIB:,.0f}" for key in ("params", "grads", "optimizer")),
+                f"{state / MIB:,.0f}",
+                f"{state / base_state:.2f}",
+                *(f"{r[key] / MIB:,.0f}" for key in ("before", "built", "peak")),
+                f"{r['peak'] / base['peak']:.2f}",
+                f"{r['update_s']:.1f}",
+                f"{r['grad_norm']:.4g}",
+            )
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
