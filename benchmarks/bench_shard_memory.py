@@ -154,6 +154,8 @@ def rank_main(rank: int, world: int, address: str, options: dict, out: str) -> N
         "grad_norm": metrics.means["actor/grad_norm"][0],
     }
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def free_port() -> int:
@@ -182,7 +184,7 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=2, help="samples per forward/backward (ppo_micro_batch_size)")
     args = parser.parse_args()
     for world in args.workers:
-        if args.samples % world or (args.samples // world) % 1:
+        if args.samples % world:
             parser.error(f"--samples {args.samples} does not split over {world} ranks")
     import torch.multiprocessing as mp
 
