@@ -76,18 +76,23 @@ def test_a_rollout_worker_killed_mid_generation_or_mid_sync_is_restarted_and_the
             assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (a["step"], key)
 
 
-def test_the_actor_killed_stops_the_run_with_one_line_naming_it_and_how_to_resume(ray_session, task_dir, tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_actor_killed_stops_the_run_with_one_line_naming_it_and_how_to_resume(
+    ray_session, task_dir, tmp_path, workers
+):
+    """Sharded, one rank is killed: its peer would wait for it in a collective, and the run must
+    not (the pools are freed as the run stops)."""
     run = tmp_path / "run"
     # Three steps: the actor dies after step 1's checkpoint, and steps 2 and 3 still need it.
     run_3 = ("trainer.total_training_steps=3", "trainer.test_freq=0", "trainer.save_freq=1")
+    run_3 += (f"resources.actor.workers={workers}",)
     args = ["run", "--config-dir", str(CONFIGS), *overrides(task_dir, tmp_path, *run_3)]
 
     def kill_the_actor_after_its_first_checkpoint():
         while not (run / "global_step_1" / "manifest.json").exists():
             time.sleep(0.05)
         found = subprocess.run(["pgrep", "-f", "ray::Policy"], capture_output=True, text=True, check=False)
-        for pid in found.stdout.split():
-            os.kill(int(pid), signal.SIGKILL)
+        os.kill(int(found.stdout.split()[-1]), signal.SIGKILL)  # one rank (the only one, unsharded)
 
     killer = threading.Thread(target=kill_the_actor_after_its_first_checkpoint, daemon=True)
     killer.start()
@@ -95,7 +100,8 @@ def test_the_actor_killed_stops_the_run_with_one_line_naming_it_and_how_to_resum
     killer.join(timeout=60)
     assert result.exit_code == 1 and "Traceback" not in result.output
     (line,) = [line for line in result.output.splitlines() if line.startswith("Error:")]
-    died = r"Error: skip run stopped at step [23]: the actor worker \(pid \d+ on node \S+ \(\w+\)\) died: "
+    rank = " of rank [01]" if workers > 1 else ""
+    died = rf"Error: skip run stopped at step [23]: the actor worker{rank} \(pid \d+ on node \S+ \(\w+\)\) died: "
     assert re.match(died, line)
     assert re.search(r"resume from the newest checkpoint \(.*global_step_[12]\) with `skip run --config-dir ", line)
     assert line.endswith("(HYDRA_FULL_ERROR=1 shows the traceback)")

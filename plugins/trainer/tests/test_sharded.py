@@ -142,3 +142,47 @@ def test_a_device_or_worker_count_the_run_cannot_have_fails_in_one_line(
     assert result.exit_code == 1 and message in result.output, result.output
     assert len(result.output.strip().splitlines()) <= 3  # the error line, after at most Ray's start-up lines
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_weight_sync_from_two_ranks_gathers_one_bucket_at_a_time(ray_session, tiny_model_dir):
+    """Each rank snapshots only its shards; each bucket is gathered on its own and handed over by
+    rank 0; together the buckets are the unsharded model's weights, bit for bit."""
+    import ray
+    from skip_plugin_trainer.algorithm_settings import ActorConfig
+    from skip_plugin_trainer.rollout.weights import MEGABYTE, unpack
+    from skip_plugin_trainer.train.distributed import Group, free_address, own_state
+    from skip_plugin_trainer.train.model_group import ModelGroup
+    from skip_plugin_trainer.train.policy import Policy
+    from skip_plugin_trainer.train.rollout_group import WeightSource
+
+    config = ActorConfig(ppo_mini_batch_size=1, ppo_micro_batch_size=1)
+    expected = own_state(Policy(str(tiny_model_dir), config, samples_per_prompt=2).model)
+    total = sum(t.numel() * t.element_size() for t in expected.values())
+    address = ray.get(ray.remote(free_address).options(num_cpus=0).remote())
+    remote = ray.remote(Policy).options(num_cpus=0)
+    ranks = [
+        remote.remote(str(tiny_model_dir), config, samples_per_prompt=2, group=Group(rank, 2, address))
+        for rank in range(2)
+    ]
+    try:
+        group = ModelGroup(ranks, mini_batch=2)
+        limit = total / 4
+        source = WeightSource(group, megabytes=limit / MEGABYTE, keep=True)
+        source.publish(1)
+        assert source.count >= 4
+
+        def held(policy):  # the bytes of the snapshot a rank keeps: its shards
+            return sum(t.to_local().numel() * t.element_size() for t in policy._published.values())
+
+        assert all(ray.get(rank.__ray_call__.remote(held)) < 0.6 * total for rank in ranks)
+        received = {}
+        for _, ref in source.buckets():
+            bucket = unpack(ray.get(ref))
+            assert sum(t.numel() * t.element_size() for t in bucket.values()) <= limit or len(bucket) == 1
+            received |= bucket
+        assert received.keys() == expected.keys()
+        assert all(torch.equal(received[name], expected[name]) for name in expected)
+        assert ray.get(group.submit("weight_bucket", 0)[1]) is None  # rank 1 gathers, rank 0 hands over
+    finally:
+        for rank in ranks:
+            ray.kill(rank)

@@ -162,7 +162,7 @@ class Cluster:
         self.weights = WeightSource(self.actor, settings.rollout.update_weights_bucket_megabytes, keep=overlapped)
         named = [("actor", self.actor), ("critic", self.critic)]
         self._where = {
-            a._actor_id.hex(): (name if len(group) == 1 else f"{name} rank {rank}", a.where.remote())
+            a._actor_id.hex(): (f"the {name} worker" + (f" of rank {rank}" if len(group) > 1 else ""), a.where.remote())
             for name, group in named
             if group is not None
             for rank, a in enumerate(group.ranks)
@@ -170,13 +170,13 @@ class Cluster:
 
     def describe(self, lost: RayActorError) -> str:
         """Which of the run's workers ``lost`` is about, and where it ran: ``the actor worker (pid 12
-        on node 10.0.0.2) died: <Ray's reason>``."""
-        name, where = self._where.get(lost.actor_id or "", ("a", None))
+        on node 10.0.0.2) died: <Ray's reason>`` (``the actor worker of rank 1`` when sharded)."""
+        name, where = self._where.get(lost.actor_id or "", ("a worker", None))
         try:
             where = ray.get(where, timeout=1) if where is not None else "?"
         except (RayActorError, GetTimeoutError):
             where = "?"
-        return f"the {name} worker ({where}) died: {str(lost).splitlines()[0].rstrip('.')}"
+        return f"{name} ({where}) died: {str(lost).splitlines()[0].rstrip('.')}"
 
     def close(self) -> None:
         """Let the rollout workers stop their engines and write their profiles, then free the pools."""
