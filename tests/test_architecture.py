@@ -69,10 +69,11 @@ def test_core_is_small():
     # steps kept as ranges (issue 35), 3800 since entries hold jagged tensors and a plugin can
     # drive an enabled role itself (``SkipManager.active``: verl's TransferQueue role, issue 36),
     # 3820 since a trainer activates the manager with the settings it validated once
-    # (``SkipManager.activate``, ``parse_roles``, ``Setup`` from typed values: issue 37);
+    # (``SkipManager.activate``, ``parse_roles``, ``Setup`` from typed values: issue 37),
+    # 3821 since ``skip diff`` is a shipped command whose plugin the core names (issue 39);
     # a bound still, so that growth is a decision.
     lines = sum(len(path.read_text().splitlines()) for path in modules("core").values())
-    assert lines <= 3820, f"skip-core has {lines} lines"
+    assert lines <= 3821, f"skip-core has {lines} lines"
 
 
 def test_core_imports_no_plugin_even_by_name():

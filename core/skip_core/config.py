@@ -38,6 +38,7 @@ SHIPPED = {
     ("task", "arithmetic"): "plugins/arithmetic",
     ("command", "run"): "plugins/trainer",
     ("command", "rollout"): "plugins/trainer",
+    ("command", "diff"): "plugins/trainer",
     ("command", "profile"): "plugins/profiling",
     ("command", "cache import-verl"): "plugins/verl",
     ("command", "simulate"): "plugins/simulate",
