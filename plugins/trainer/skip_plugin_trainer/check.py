@@ -15,7 +15,6 @@ from typing import Any
 
 import yaml
 from rich.console import Console
-from skip_core.config import lookup
 
 from skip_plugin_trainer.rollout.parts import RolloutParts, load_tokenizer, prompt_loader
 from skip_plugin_trainer.settings import RolloutSettings, RunSettings
@@ -24,16 +23,15 @@ from skip_plugin_trainer.settings import RolloutSettings, RunSettings
 def check(config: Any, console: Console, command: str) -> RolloutSettings:
     """Validate ``config`` for ``skip <command>`` and print its settings; a problem raises the
     ``ConfigError`` the command would stop with."""
-    from skip_core.plugins import registry
 
     settings = RunSettings.from_config(config) if command == "run" else RolloutSettings.from_config(config)
     parts = RolloutParts.from_settings(settings)
     if isinstance(settings, RunSettings):
         from skip_plugin_trainer.train.metrics import check_backends
-        from skip_plugin_trainer.train.preflight import load_data
+        from skip_plugin_trainer.train.preflight import load_data, schedule
 
         check_backends(settings.trainer.logger)
-        lookup("trainer.schedule", "schedule", settings.trainer.schedule, registry().schedules)
+        schedule(settings)
     missing = _to_build(settings)
     if missing:
         console.print(f"# task {settings.task.name} builds {', '.join(missing)} on the first run: not checked")

@@ -186,3 +186,16 @@ def test_a_weight_sync_from_two_ranks_gathers_one_bucket_at_a_time(ray_session, 
     finally:
         for rank in ranks:
             ray.kill(rank)
+
+
+def test_check_refuses_what_the_run_would(task_dir, tmp_path):
+    from click.testing import CliRunner
+    from skip_core.cli import cli
+    from skiptests import CONFIGS
+    from training import overrides
+
+    settings = ("resources.colocate=true", "trainer.schedule=one_step_off")
+    result = CliRunner().invoke(
+        cli, ["run", "--check", "--config-dir", str(CONFIGS), *overrides(task_dir, tmp_path, *settings)]
+    )
+    assert result.exit_code == 1 and "Error: resources.colocate: the engines sleep" in result.output, result.output

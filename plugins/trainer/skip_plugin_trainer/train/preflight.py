@@ -1,5 +1,6 @@
 """What a run checks before Ray starts beyond its settings: that its data can be read and scored,
-that its directory can be written, and that the steps its skip roles list lie within the run.
+that its directory can be written, that the steps its skip roles list lie within the run, and that
+its schedule allows its settings.
 Each says so in one line, not a traceback at the first checkpoint or a silence over steps a typo
 put out of reach. ``skip run --check`` runs the same checks (``skip_plugin_trainer.check``)."""
 
@@ -10,14 +11,28 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from skip_core.config import ConfigError
+from skip_core.config import ConfigError, lookup
 from skip_core.manager import SkipManager
+from skip_core.schedule import Schedule
 
 from skip_plugin_trainer.data import PromptLoader, RLDataset
 from skip_plugin_trainer.rollout.parts import RolloutParts, load_tokenizer, prompt_loader
 from skip_plugin_trainer.run_sections import TrainerConfig
 from skip_plugin_trainer.settings import RunSettings
 from skip_plugin_trainer.train.reward import Rewarder
+
+
+def schedule(settings: RunSettings) -> Schedule:
+    """The configured schedule, built; refused in one line when the settings need another kind."""
+    from skip_core.plugins import registry
+
+    built = lookup("trainer.schedule", "schedule", settings.trainer.schedule, registry().schedules)(settings.sections)
+    if settings.resources.colocate and built.overlapped:
+        raise ConfigError(
+            f"resources.colocate: the engines sleep while the actor trains, which trainer.schedule="
+            f"{settings.trainer.schedule} does not allow (it generates meanwhile); use the sync schedule"
+        )
+    return built
 
 
 class UnreachableStepsWarning(UserWarning):

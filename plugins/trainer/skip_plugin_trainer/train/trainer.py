@@ -26,7 +26,6 @@ from ray.exceptions import RayActorError
 from rich.console import Console
 from skip_core import spans
 from skip_core.batch import Batch
-from skip_core.config import ConfigError, lookup
 from skip_core.loop_thread import LoopThread
 from skip_core.manager import SkipManager
 from skip_core.schedule import Schedule, StepRecord
@@ -48,7 +47,7 @@ from skip_plugin_trainer.train.metrics import (
     timing_metrics,
 )
 from skip_plugin_trainer.train.phases import Phases
-from skip_plugin_trainer.train.preflight import check_writable, load_data, warn_unreachable
+from skip_plugin_trainer.train.preflight import check_writable, load_data, schedule, warn_unreachable
 from skip_plugin_trainer.train.resume import (
     find_checkpoint,
     load_models,
@@ -71,19 +70,11 @@ class Trainer:
     """
 
     def __init__(self, config: Any, console: Console) -> None:
-        from skip_core.plugins import registry
-
         self.console = console
         self.settings = s = RunSettings.from_config(config)
         check_backends(s.trainer.logger)
         torch.manual_seed(s.trainer.seed)
-        schedules = registry().schedules
-        self.schedule: Schedule = lookup("trainer.schedule", "schedule", s.trainer.schedule, schedules)(s.sections)
-        if s.resources.colocate and self.schedule.overlapped:
-            raise ConfigError(
-                f"resources.colocate: the engines sleep while the actor trains, which trainer.schedule="
-                f"{s.trainer.schedule} does not allow (it generates meanwhile); use the sync schedule"
-            )
+        self.schedule: Schedule = schedule(s)
         self.parts = RolloutParts.from_settings(s)
         SkipManager.activate(s.roles, s.namespace, s.setup)
         prepare_task(s)
