@@ -49,7 +49,9 @@ def build_model(rank: int, directory: str, layers: int) -> None:
     Spawned, so that the driver never holds the model."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     torch.manual_seed(0)
     Qwen2ForCausalLM(Qwen2Config(**{**QWEN2_05B, "num_hidden_layers": layers})).save_pretrained(directory)
 
@@ -225,7 +227,7 @@ def main() -> None:
                 f"{r['update_s']:.1f}",
                 f"{r['grad_norm']:.4g}",
             )
-    Console().print(table)
+    Console(width=240).print(table)
 
 
 if __name__ == "__main__":

@@ -75,5 +75,4 @@ class Critic(TrainedModel):
             parts["critic/vpred_mean"] += token_share(vpreds.detach(), mask, totals)
             return result.loss
 
-        self._micro_batches(mini, totals, loss)
-        metrics.means["critic/grad_norm"].append(self.grad_norm)
+        metrics.means["critic/grad_norm"].append(self._micro_batches(mini, loss))

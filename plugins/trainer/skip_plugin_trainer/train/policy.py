@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from typing import Any
 
 import torch
@@ -166,9 +167,9 @@ class Policy(TrainedModel):
             parts["actor/ppo_kl"] += result.approx_kl
             return total
 
-        self._micro_batches(mini, totals, loss)
-        metrics.means["actor/grad_norm"].append(self.grad_norm)
-        if not self.stepped:  # the metric shows a step was skipped
+        grad_norm = self._micro_batches(mini, loss)
+        metrics.means["actor/grad_norm"].append(grad_norm)
+        if not math.isfinite(grad_norm):  # the metric shows a step was skipped
             metrics.means["actor/skipped_steps"].append(1.0)
 
 

@@ -100,17 +100,18 @@ class TrainedModel(Located):
     def _step(self, mini: Batch, totals: Totals, metrics: UpdateMetrics) -> None:
         raise NotImplementedError
 
-    def _micro_batches(self, mini: Batch, totals: Totals, loss: Callable[[Batch], torch.Tensor]) -> None:
-        """Accumulate the gradient of ``mini``'s loss, one micro-batch's part at a time; then one
-        optimizer step, unless the gradient is not finite."""
+    def _micro_batches(self, mini: Batch, loss: Callable[[Batch], torch.Tensor]) -> float:
+        """Accumulate the gradient of ``mini``'s loss, one micro-batch's part at a time (``loss``
+        of a micro-batch on the device), then one optimizer step unless the gradient is not
+        finite (one bad batch must not poison the weights); returns the gradient's norm."""
         self.optimizer.zero_grad(set_to_none=True)
         for micro in micro_batches(mini, self.config.ppo_micro_batch_size):
             (loss(on_device(micro, self.device)) * world()).backward()  # FSDP averages over the ranks
         limit = self.config.grad_clip if self.config.grad_clip is not None else math.inf
-        self.grad_norm = as_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit))
-        self.stepped = math.isfinite(self.grad_norm)  # one bad batch must not poison the weights
-        if self.stepped:
+        grad_norm = as_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit))
+        if math.isfinite(grad_norm):
             self.optimizer.step()
+        return grad_norm
 
     # -- checkpoints ----------------------------------------------------------------------
 
