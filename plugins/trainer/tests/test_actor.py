@@ -77,3 +77,13 @@ def test_the_reference_model_stays_at_the_initial_weights(tiny_model_dir):
     assert metrics["actor/kl_loss"] == pytest.approx(0, abs=1e-7)  # one optimizer step: policy == reference
     assert torch.equal(worker.compute_ref_log_prob(batch).batch["ref_log_prob"], start)
     assert not torch.equal(worker.compute_log_prob(batch).batch["old_log_probs"], start)
+
+
+def test_a_step_whose_gradient_is_not_finite_is_skipped_and_said(tiny_model_dir):
+    worker = policy(tiny_model_dir, grad_clip=None)
+    batch = training_batch(worker, [float("nan"), 1.0, -1.0])
+    before = {name: tensor.clone() for name, tensor in worker.model.state_dict().items()}
+    metrics = worker.update(batch)
+    assert metrics["actor/skipped_steps"] == 1.0 and not metrics["actor/grad_norm"] == metrics["actor/grad_norm"]
+    assert all(torch.equal(tensor, before[name]) for name, tensor in worker.model.state_dict().items())
+    assert "actor/skipped_steps" not in worker.update(training_batch(worker, [1.0, -0.5, 0.25]))
