@@ -103,6 +103,12 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def resident() -> dict[str, int]:
+    """The process's resident set now and its file-backed part (pages of mapped files), in bytes."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return {key: int(fields[key].split()[0]) * 1024 for key in ("VmRSS", "RssFile")}
+
+
 def local_bytes(tensors) -> int:
     from torch.distributed.tensor import DTensor
 
@@ -135,13 +141,14 @@ def rank_main(rank: int, world: int, address: str, options: dict, out: str) -> N
         group=group,
         device="cpu",
     )
-    built = peak_rss()
+    built, built_file = peak_rss(), resident()["RssFile"]
     batch = synthetic_batch(options["samples"], options["prompt"], options["response"], QWEN2_05B["vocab_size"])
     share = shares(batch, options["samples"], world)[rank]
     share.batch["old_log_probs"] = policy.compute_log_prob(share).batch["old_log_probs"]
     start = time.perf_counter()
     metrics = policy.update_share(share)
     seconds = time.perf_counter() - start
+    now = resident()
     model, optimizer = policy.model, policy.optimizer
     result = {
         "params": local_bytes(model.parameters()),
@@ -152,6 +159,9 @@ def rank_main(rank: int, world: int, address: str, options: dict, out: str) -> N
         "before": before,
         "built": built,
         "peak": peak_rss(),
+        "built_file": built_file,
+        "now": now["VmRSS"],
+        "now_file": now["RssFile"],
         "update_s": seconds,
         "grad_norm": metrics.means["actor/grad_norm"][0],
     }
@@ -184,7 +194,17 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=64, help="prompt width (tokens)")
     parser.add_argument("--response", type=int, default=64, help="response width (tokens)")
     parser.add_argument("--micro", type=int, default=2, help="samples per forward/backward (ppo_micro_batch_size)")
+    parser.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="the ranks' MALLOC_MMAP_THRESHOLD_: glibc then maps every allocation of this size or more on its own and "
+        "unmaps it when freed (default: glibc's, which rises up to 32 MiB and keeps freed blocks below it)",
+    )
     args = parser.parse_args()
+    if args.mmap_threshold is not None:  # read by glibc when each spawned process starts
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     for world in args.workers:
         if args.samples % world:
             parser.error(f"--samples {args.samples} does not split over {world} ranks")
@@ -205,13 +225,15 @@ def main() -> None:
 
     base = results[args.workers[0]][0]
     base_state = base["params"] + base["grads"] + base["optimizer"]
+    malloc = f", MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold is not None else ""
     table = Table(
         title=f"Policy sharded with FSDP2, per rank: Qwen2-0.5B shape, {args.layers} layers, float32, "
-        f"{args.samples} x ({args.prompt} + {args.response}) tokens, micro-batch {args.micro}"
+        f"{args.samples} x ({args.prompt} + {args.response}) tokens, micro-batch {args.micro}{malloc}"
     )
-    columns = ("N", "rank", "params MiB", "grads MiB", "optimizer MiB", "state MiB", f"state / N={args.workers[0]}")
-    columns += ("RSS before model MiB", "peak RSS built MiB", "peak RSS MiB", f"peak RSS / N={args.workers[0]}")
-    for column in (*columns, "update s", "grad norm"):
+    first = args.workers[0]
+    columns = ("N", "rank", "params MiB", "grads MiB", "optimizer MiB", "state MiB", f"state / N={first}")
+    columns += ("RSS before model MiB", "peak RSS built MiB (file-backed now)", "peak RSS MiB", f"peak RSS / N={first}")
+    for column in (*columns, "RSS after MiB (file-backed)", "update s", "grad norm"):
         table.add_column(column, justify="right")
     for world, ranks in results.items():
         for rank, r in enumerate(ranks):
@@ -222,8 +244,11 @@ def main() -> None:
                 *(f"{r[key] / MIB:,.0f}" for key in ("params", "grads", "optimizer")),
                 f"{state / MIB:,.0f}",
                 f"{state / base_state:.2f}",
-                *(f"{r[key] / MIB:,.0f}" for key in ("before", "built", "peak")),
+                f"{r['before'] / MIB:,.0f}",
+                f"{r['built'] / MIB:,.0f} ({r['built_file'] / MIB:,.0f})",
+                f"{r['peak'] / MIB:,.0f}",
                 f"{r['peak'] / base['peak']:.2f}",
+                f"{r['now'] / MIB:,.0f} ({r['now_file'] / MIB:,.0f})",
                 f"{r['update_s']:.1f}",
                 f"{r['grad_norm']:.4g}",
             )

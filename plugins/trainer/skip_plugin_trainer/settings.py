@@ -198,12 +198,6 @@ class RunSettings(RolloutSettings):
                 f"resources.actor.gpus_per_worker: {gpus:g} GPUs asked for an actor that trains on the CPU "
                 "(trainer.device=cpu); set trainer.device=cuda or 0 GPUs"
             )
-        workers = self.resources.actor.workers
-        if workers > 1 and self.model.lora_rank:
-            raise ConfigError(
-                f"resources.actor.workers: LoRA (model.lora_rank={self.model.lora_rank}) trains on one actor "
-                f"worker, not {workers}"
-            )
 
     def bypass_mode(self, overlapped: bool) -> bool:
         """Whether the rollout log-probs serve as PPO's old log-probs (see ``RolloutCorrection``)."""

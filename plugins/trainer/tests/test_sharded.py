@@ -96,6 +96,17 @@ def test_one_step_off_with_a_sharded_critic_matches_one_worker(ray_session, task
     assert all(row["critic/vf_loss"] >= 0 for row in metrics(two))
 
 
+def test_lora_on_two_workers_matches_one(ray_session, task_dir, tmp_path):
+    """The adapters are sharded with the rest; the engines get the merged weights, each tensor once
+    (shards have no storage of their own: a tie told by storage would drop weights of one shape)."""
+    lora = ("model.lora_rank=8", *KL)
+    agree(
+        run(task_dir, tmp_path / "one", 1, *lora),
+        run(task_dir, tmp_path / "two", 2, *lora),
+        {"rollout tokens", "ref_log_prob"},
+    )
+
+
 def test_fully_async_trains_on_two_workers(ray_session, task_dir, tmp_path):
     """fully_async trains on whichever samples finish first, so no two of its runs share their
     batches, sharded or not: this run is checked for training, not against another."""

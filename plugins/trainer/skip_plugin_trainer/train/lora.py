@@ -18,6 +18,7 @@ import torch
 from skip_core.config import ConfigError
 
 from skip_plugin_trainer.run_sections import ModelConfig
+from skip_plugin_trainer.train.distributed import own_state
 
 ADAPTER = "default"  # peft's name for the one adapter
 
@@ -38,7 +39,9 @@ def with_adapters(model: Any, settings: ModelConfig) -> Any:
 
 
 def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
-    """The weights the adapters amount to, under the base model's names (what an engine loads)."""
+    """The weights the adapters amount to, under the base model's names (what an engine loads),
+    each tensor once (a tied head is the embedding's: ``own_state``; sharded, by parameter, as
+    shards have no storage of their own to compare)."""
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
@@ -48,7 +51,7 @@ def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
         if isinstance(module, LoraLayer) and ADAPTER in module.lora_A
     }
     merged = {}
-    for name, tensor in base.state_dict().items():
+    for name, tensor in own_state(base).items():
         if ".lora_" in name:
             continue
         if name in deltas:

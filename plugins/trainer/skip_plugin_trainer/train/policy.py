@@ -13,7 +13,6 @@ import math
 from typing import Any
 
 import torch
-from skip_core.backend import untied
 from skip_core.batch import Batch
 
 from skip_plugin_trainer.algorithm_settings import ActorConfig, RolloutCorrection
@@ -101,7 +100,7 @@ class Policy(TrainedModel):
         """Make the current weights the ones ``weight_bucket`` sends, in buckets of ``megabytes``;
         returns how many. ``keep`` snapshots them (each rank its shards): an overlapped schedule
         trains on while they are sent, and a rollout worker restarted later must get these."""
-        tensors = untied(peft_lora.merged_state_dict(self.model)) if self.lora else own_state(self.model)
+        tensors = peft_lora.merged_state_dict(self.model) if self.lora else own_state(self.model)
         if keep and not self.lora:  # merged tensors are new ones already
             tensors = {name: tensor.detach().clone() for name, tensor in tensors.items()}
         self._published = tensors
