@@ -7,16 +7,20 @@ seconds per phase over the steps of each run and the share of `gen` in the step.
 With `--actor-workers`, what sharding the policy costs per step: after the run that generates and
 dumps, one run per N replaying every rollout from that cache (so generation does not blur the
 comparison) with `resources.actor.workers=N` (FSDP2 over N ranks, sharing `resources.actor.cpus`).
-Prints one table, a column per N, and each N's ratio to the first.
+Prints one table, a column per N, and each N's ratio to the first; with `--rounds`, the runs of
+every N alternate in a new random order each round and the table gives the medians.
 
     python benchmarks/bench_step.py --steps 10
     python benchmarks/bench_step.py --steps 6 --actor-workers 1 2
+    python benchmarks/bench_step.py --steps 6 --actor-workers 1 2 --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -56,27 +60,34 @@ def means(rows: list[dict]) -> dict[str, float]:
 
 
 def sharded(args: argparse.Namespace) -> None:
-    """One generating run, then one replaying run per ``--actor-workers`` N; one table."""
+    """One generating run, then ``--rounds`` rounds of one replaying run per ``--actor-workers`` N
+    (in a new random order each round); one table of the medians over the rounds."""
     workers: list[int] = args.actor_workers
+    runs: dict[int, list[dict[str, float]]] = {n: [] for n in workers}
     with tempfile.TemporaryDirectory(prefix="bench-step-") as tmp:
         task_dir = (args.task_dir or Path(tmp) / "embedded").absolute()
         train(Path(tmp), task_dir, args.steps, args.overrides)  # fills the cache
-        replayed = {
-            n: means(train(Path(tmp), task_dir, args.steps, [*args.overrides, f"resources.actor.workers={n}"]))
-            for n in workers
-        }
+        for _ in range(args.rounds):
+            for n in random.sample(workers, len(workers)):
+                rows = train(Path(tmp), task_dir, args.steps, [*args.overrides, f"resources.actor.workers={n}"])
+                runs[n].append(means(rows))
     base = workers[0]
-    table = Table(title=f"skip run replaying its rollouts, mean seconds per step over {args.steps} steps")
+    rounds = f", median (min-max) of {args.rounds} rounds" if args.rounds > 1 else ""
+    table = Table(title=f"skip run replaying its rollouts, mean seconds per step over {args.steps} steps{rounds}")
     table.add_column("phase", justify="right")
     for n in workers:
         table.add_column(f"{n} worker{'s' if n > 1 else ''}", justify="right")
     for n in workers[1:]:
         table.add_column(f"ratio {n} / {base}", justify="right")
     for phase in SHARDED:
-        row = replayed[base][phase]
-        ratios = [f"{replayed[n][phase] / row:.2f}x" if row > 0 else "-" for n in workers[1:]]
-        label = "gen (cache load)" if phase == "gen" else phase
-        table.add_row(label, *(f"{replayed[n][phase]:.3f}" for n in workers), *ratios)
+        values = {n: [run[phase] for run in runs[n]] for n in workers}
+        medians = {n: statistics.median(values[n]) for n in workers}
+        cells = [
+            f"{medians[n]:.3f}" + (f" ({min(values[n]):.3f}-{max(values[n]):.3f})" if args.rounds > 1 else "")
+            for n in workers
+        ]
+        ratios = [f"{medians[n] / medians[base]:.2f}x" if medians[base] > 0 else "-" for n in workers[1:]]
+        table.add_row("gen (cache load)" if phase == "gen" else phase, *cells, *ratios)
     Console().print(table)
 
 
@@ -94,6 +105,9 @@ def main() -> None:
         metavar="N",
         help="replay the cached rollouts once per N with resources.actor.workers=N and compare the phases "
         "(put overrides before this option)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="with --actor-workers: replaying runs per N, interleaved (median)"
     )
     parser.add_argument("overrides", nargs="*", help="extra `skip run` overrides, e.g. rollout.n=8")
     args = parser.parse_args()
