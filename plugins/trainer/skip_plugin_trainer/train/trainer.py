@@ -316,8 +316,6 @@ class Trainer:
 
     def _resume(self, checkpoint: Checkpoint) -> None:
         self.loader.load_state_dict(checkpoint.trainer["loader"])
-        # The lr schedules continue at the updates the checkpoint's steps made (derived, not saved:
-        # checkpoints written before skip had schedules resume the same way).
         load_models(checkpoint, self.actor, self.critic, self.settings.trainer.critic_warmup)
         self.global_steps = self._actor_version = checkpoint.step
         self._resumed_schedule_state = checkpoint.trainer.get("schedule")
