@@ -84,20 +84,6 @@ def synthetic_batch(samples: int, prompt: int, response: int, vocab: int):
     )
 
 
-def shares(batch, mini_batch: int, ranks: int) -> list:
-    """Each rank's share of every mini-batch, with the mini-batches' totals (``ModelGroup.update``)."""
-    from skip_core.batch import Batch
-    from skip_plugin_trainer.train.algorithm import Totals
-
-    minis = batch.chunk(len(batch) // mini_batch)
-    totals = [Totals.of(mini.batch["response_mask"]) for mini in minis]
-    cut = [mini.chunk(ranks) for mini in minis]
-    out = [Batch.concat([pieces[rank] for pieces in cut]) for rank in range(ranks)]
-    for share in out:
-        share.meta_info = {"totals": totals}
-    return out
-
-
 def peak_rss() -> int:
     """The process's peak resident set so far, in bytes (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -124,6 +110,7 @@ def rank_main(rank: int, world: int, address: str, options: dict, out: str) -> N
     import torch
     from skip_plugin_trainer.algorithm_settings import ActorConfig, Optim
     from skip_plugin_trainer.train.distributed import Group
+    from skip_plugin_trainer.train.model_group import update_shares
     from skip_plugin_trainer.train.policy import Policy
 
     before = peak_rss()
@@ -143,7 +130,7 @@ def rank_main(rank: int, world: int, address: str, options: dict, out: str) -> N
     )
     built, built_file = peak_rss(), resident()["RssFile"]
     batch = synthetic_batch(options["samples"], options["prompt"], options["response"], QWEN2_05B["vocab_size"])
-    share = shares(batch, options["samples"], world)[rank]
+    share = update_shares(batch, options["samples"], world)[rank]
     share.batch["old_log_probs"] = policy.compute_log_prob(share).batch["old_log_probs"]
     start = time.perf_counter()
     metrics = policy.update_share(share)

@@ -289,6 +289,27 @@ def test_a_manifest_listing_a_name_no_checkpoint_file_has_is_corrupt(tmp_path, n
     assert name in caught.value.reason
 
 
+@pytest.mark.parametrize(
+    "shards",
+    [5, {}, {"policy": {"param_groups": None}}, {"actor": 5}, {"actor": {"param_groups": "lr"}}, {"actor": {}}],
+)
+def test_a_state_recording_shards_no_model_can_read_is_corrupt(tmp_path, shards):
+    """A hand-written state.json, hashed again: what the ranks would be handed is checked before
+    they are, so a resume says so in one line instead of failing inside a worker."""
+    manager = CheckpointManager(tmp_path)
+    save_simple(manager, 1)
+    checkpoint = tmp_path / "global_step_1"
+    state = json.loads((checkpoint / STATE).read_text())
+    state["shards"] = shards
+    (checkpoint / STATE).write_text(json.dumps(state))
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    manifest["files"][STATE] = store.seal(checkpoint / STATE)
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
+
+    with pytest.raises(CorruptCheckpoint, match=r"cannot decode: state\.json records"):
+        manager.load(1)
+
+
 def test_a_manifest_without_the_state_tensors_is_corrupt(tmp_path):
     manager = CheckpointManager(tmp_path)
     save_simple(manager, 1)

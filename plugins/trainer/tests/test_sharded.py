@@ -210,3 +210,34 @@ def test_check_refuses_what_the_run_would(task_dir, tmp_path):
         cli, ["run", "--check", "--config-dir", str(CONFIGS), *overrides(task_dir, tmp_path, *settings)]
     )
     assert result.exit_code == 1 and "Error: resources.colocate: the engines sleep" in result.output, result.output
+
+
+def test_shards_that_verify_but_do_not_fit_the_model_stop_the_resume_in_one_line(sync_runs, task_dir, tmp_path):
+    """A checkpoint whose hashes were written again over shards missing a weight (by hand, or by a
+    tool): the ranks cannot load it, and the run says which directory, not a worker's traceback."""
+    import shutil
+
+    from click.testing import CliRunner
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from skip_core import store
+    from skip_core.cli import cli
+    from skiptests import CONFIGS
+    from training import overrides
+
+    checkpoint = tmp_path / "global_step_1"
+    shutil.copytree(sync_runs[2] / "global_step_1", checkpoint)
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    for shard in sorted((checkpoint / "actor").iterdir()):
+        with safe_open(str(shard), "pt") as f:
+            metadata, tensors = f.metadata(), {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
+        tensors.pop("model.model.norm.weight")
+        save_file(tensors, str(shard), metadata=metadata)
+        manifest["files"]["actor/" + shard.name] = store.seal(shard)
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+    resume = ("trainer.resume_mode=resume_path", f"trainer.resume_from_path={checkpoint}", *KL)
+    result = CliRunner().invoke(cli, ["run", "--config-dir", str(CONFIGS), *overrides(task_dir, tmp_path, *resume)])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    (line,) = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert line.startswith(f"Error: trainer.resume_mode: {checkpoint / 'actor'} does not load into this run's actor: ")

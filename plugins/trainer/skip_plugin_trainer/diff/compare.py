@@ -23,19 +23,11 @@ import numpy as np
 from skip_core.config import StepSet
 
 from skip_plugin_trainer.diff.sources import DiffError, open_source
+from skip_plugin_trainer.train.train_data import KEYS
 
 TOKENS = "rollout tokens"
-#: The per-token results after the rollout, in the order a step computes them.
-PER_TOKEN = (
-    "rollout_log_probs",
-    "token_level_scores",
-    "token_level_rewards",
-    "old_log_probs",
-    "ref_log_prob",
-    "values",
-    "advantages",
-    "returns",
-)
+#: The per-token results after the rollout, in the order a step computes them (``train_data.KEYS``).
+PER_TOKEN = tuple(key for key in KEYS if key not in ("responses", "response_mask"))
 PHASES = (TOKENS, *PER_TOKEN, "losses", "grad norms", "metrics")
 #: Metrics of time and speed (any key with ``time`` in it, too), and the engines' batching counters
 #: (how requests met in the engine depends on when each arrived): they differ from run to run by nature.

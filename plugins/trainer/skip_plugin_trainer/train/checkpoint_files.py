@@ -112,6 +112,17 @@ def _save_tensors(tensors: dict[str, torch.Tensor], file: Path) -> None:
         raise OSError(int(code[1]), os.strerror(int(code[1])), str(file)) from exc
 
 
+def _shards(value: Any) -> dict[str, dict[str, Any]]:
+    """What each trained model's ranks read their state with: ``{model: {"param_groups": list | None}}``."""
+    if not isinstance(value, dict) or not set(value) <= set(GROUPS) or "actor" not in value:
+        raise ValueError(f"{STATE} records shards of {sorted(value) if isinstance(value, dict) else value!r}")
+    for name, saved in value.items():
+        groups = saved.get("param_groups", ()) if isinstance(saved, dict) else ()
+        if not (groups is None or (isinstance(groups, list) and all(isinstance(g, dict) for g in groups))):
+            raise ValueError(f"{STATE} records no param groups of {name}'s optimizer")
+    return value
+
+
 def _split(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
     """``value`` with each tensor moved into ``tensors`` (for safetensors) and a reference left for JSON."""
     if isinstance(value, torch.Tensor):
@@ -220,7 +231,7 @@ def read(path: Path, step: int, sizes: Mapping[str, int]) -> Checkpoint:
             trainer=_attach(encoding.decode(state["trainer"]), tensors),
             rng=_attach(encoding.decode(state["rng"]), tensors),
             path=path,
-            shards=encoding.decode(state["shards"]),
+            shards=_shards(encoding.decode(state["shards"])),
         )
     model = load_file(str(path / MODEL))
     keys = state["model_keys"]

@@ -60,15 +60,21 @@ class ModelGroup:
 
     def update(self, batch: Batch) -> dict[str, float]:
         """One update on ``batch``: each rank gets its share of every mini-batch, in order."""
-        if len(batch) % self.mini_batch:
-            raise ValueError(f"{len(batch)} samples do not split into mini-batches of {self.mini_batch}")
-        minis = batch.chunk(len(batch) // self.mini_batch)
-        totals = [Totals.of(mini.batch["response_mask"]) for mini in minis]
-        cut = [mini.chunk(len(self.ranks)) for mini in minis]
-        shares = [Batch.concat([pieces[rank] for pieces in cut]) for rank in range(len(self.ranks))]
-        for share in shares:
-            share.meta_info = {**batch.meta_info, "totals": totals}
-        return UpdateMetrics.reduce(self.call("update_share", shares=shares))
+        return UpdateMetrics.reduce(self.call("update_share", shares=update_shares(batch, self.mini_batch, len(self))))
+
+
+def update_shares(batch: Batch, mini_batch: int, ranks: int) -> list[Batch]:
+    """Each of ``ranks``' share of every mini-batch of ``mini_batch`` samples, in order, with the
+    mini-batches' ``Totals`` (a loss divides by the whole mini-batch's)."""
+    if len(batch) % mini_batch:
+        raise ValueError(f"{len(batch)} samples do not split into mini-batches of {mini_batch}")
+    minis = batch.chunk(len(batch) // mini_batch)
+    totals = [Totals.of(mini.batch["response_mask"]) for mini in minis]
+    cut = [mini.chunk(ranks) for mini in minis]
+    shares = [Batch.concat([pieces[rank] for pieces in cut]) for rank in range(ranks)]
+    for share in shares:
+        share.meta_info = {**batch.meta_info, "totals": totals}
+    return shares
 
 
 def settle(refs: Sequence[Any]) -> list[Any]:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ray.exceptions import RayTaskError
 from skip_core.config import ConfigError
 from skip_core.errors import SkipError
 
@@ -79,7 +80,14 @@ def load_models(checkpoint: Checkpoint, actor: ModelGroup, critic: ModelGroup | 
         if model is None:
             continue
         if checkpoint.shards is not None:
-            model.call("load_shards", str(checkpoint.path / name), checkpoint.shards[name], updates=updates[name])
+            directory = checkpoint.path / name
+            try:
+                model.call("load_shards", str(directory), checkpoint.shards[name], updates=updates[name])
+            except RayTaskError as exc:  # shards that verify but do not fit this model (written by hand)
+                cause = str(getattr(exc, "cause", exc)).strip().splitlines()[-1]
+                raise ConfigError(
+                    f"trainer.resume_mode: {directory} does not load into this run's {name}: {cause}"
+                ) from None
         else:  # the critic's state sits in the trainer's (a checkpoint's algorithm.* match the run's)
             whole = checkpoint.trainer["critic"] if name == "critic" else vars(checkpoint)
             model.call("load_full_state", whole["model"], whole["optimizer"], updates=updates[name])
