@@ -23,7 +23,7 @@ def register(cli: click.Group) -> None:
     cli.add_command(
         hydra_job("run", "Train with the configured schedule (GRPO on the embedded default), with OVERRIDES.", _run)
     )
-    from skip_plugin_trainer.diff.report import command
+    from skip_plugin_trainer.diff.cli import command
 
     cli.add_command(command(console))
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from skip_plugin_trainer.diff import compare
+from skip_plugin_trainer.diff.compare import compare
 from skip_plugin_trainer.train.train_data import read_train_data
 from training import metrics, train
 
