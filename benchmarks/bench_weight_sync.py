@@ -228,11 +228,11 @@ def bucketed(model: Path, workers: int, megabytes: float, rounds: int, backend: 
     import ray
     from skip_plugin_trainer.algorithm_settings import ActorConfig
     from skip_plugin_trainer.commands import compose_config
+    from skip_plugin_trainer.rollout.group import RolloutGroup
+    from skip_plugin_trainer.rollout.worker import RolloutWorker
     from skip_plugin_trainer.settings import RolloutSettings
-    from skip_plugin_trainer.train.model_group import ModelGroup
+    from skip_plugin_trainer.train.model_group import ModelGroup, WeightSource
     from skip_plugin_trainer.train.policy import Policy
-    from skip_plugin_trainer.train.rollout_group import RolloutGroup, WeightSource
-    from skip_plugin_trainer.train.workers import RolloutWorker
 
     config = compose_config(None, "run", (f"model.path={model}", "task.name=null", *ENGINES[backend]))
     settings = RolloutSettings.from_config(config)

@@ -71,7 +71,7 @@ class ScriptedBackend(RolloutBackend):
 
 
 def prompts(tokenizer, questions, tools_kwargs=None, **meta) -> Batch:
-    from skip_plugin_trainer.rollout.chat import ChatFormat
+    from skip_plugin_trainer.data.chat import ChatFormat
 
     chat = ChatFormat(tokenizer)
     messages = [[{"role": "user", "content": q}] for q in questions]

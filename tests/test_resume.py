@@ -11,7 +11,7 @@ import time
 
 import pytest
 from skip_plugin_trainer.train.checkpoint import LATEST, CheckpointWarning
-from skip_plugin_trainer.train.metrics import Tracking
+from skip_plugin_trainer.train.tracking import Tracking
 from training import fingerprints, held_command, metrics, train
 
 # What each schedule caches (a batch per trainer step, or one entry per streamed sample, by feed

@@ -6,7 +6,7 @@ parameters is initialised from a seed, and a short supervised warm-up teaches it
 The result is an ordinary Hugging Face model directory (safetensors, ``tokenizer.json``,
 ChatML-style chat template with tools) that any backend, vLLM and SGLang included, can load.
 
-Warm-up sequences are built with ``skip_plugin_trainer.rollout.chat.ChatFormat``, the same functions the agent
+Warm-up sequences are built with ``skip_plugin_trainer.data.chat.ChatFormat``, the same functions the agent
 loop uses, so what the model learns matches what rollouts feed it token for token.
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from skip_core.files import apply_umask
-from skip_plugin_trainer.rollout.chat import ChatFormat
+from skip_plugin_trainer.data.chat import ChatFormat
 
 from skip_plugin_arithmetic import leftovers
 

@@ -29,7 +29,7 @@ from skip_plugin_arithmetic.task import (
     rows,
     score,
 )
-from skip_plugin_trainer.rollout.chat import ChatFormat
+from skip_plugin_trainer.data.chat import ChatFormat
 from skip_plugin_trainer.rollout.tools import HermesParser
 from skiptests import assert_umask_modes
 

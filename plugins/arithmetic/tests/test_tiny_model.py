@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from skip_plugin_arithmetic import tiny_model
 from skip_plugin_arithmetic.calculator import SCHEMA
 from skip_plugin_arithmetic.task import demonstration, problems
-from skip_plugin_trainer.rollout.chat import ChatFormat
+from skip_plugin_trainer.data.chat import ChatFormat
 from skip_plugin_trainer.rollout.tools import HermesParser, ToolCall
 
 CALL = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "482 * 37"}}}

@@ -46,7 +46,7 @@ def skip_register_tool_parsers(register):
 
 @hookimpl
 def skip_register_rewards(register):
-    from skip_plugin_trainer.train.reward import score_by_task
+    from skip_plugin_trainer.reward import score_by_task
 
     register("task", score_by_task)
 

@@ -27,10 +27,10 @@ def check(config: Any, console: Console, command: str) -> RolloutSettings:
     settings = RunSettings.from_config(config) if command == "run" else RolloutSettings.from_config(config)
     parts = RolloutParts.from_settings(settings)
     if isinstance(settings, RunSettings):
-        from skip_plugin_trainer.train.metrics import check_backends
         from skip_plugin_trainer.train.preflight import load_data, schedule
+        from skip_plugin_trainer.train.tracking import check_loggers
 
-        check_backends(settings.trainer.logger)
+        check_loggers(settings.trainer.logger)
         schedule(settings)
     missing = _to_build(settings)
     if missing:

@@ -13,8 +13,8 @@ import torch
 from scripted_model import ScriptedBackend, call, make_loop, prompts
 from skip_core import SkipManager
 from skip_core.backend import Generation
+from skip_plugin_trainer.data.chat import ChatFormat
 from skip_plugin_trainer.rollout.agent_loop import RolloutError
-from skip_plugin_trainer.rollout.chat import ChatFormat
 from skip_plugin_trainer.rollout.tools import Tool, ToolResponse
 from skiptests import run_config
 from transformers import AutoTokenizer

@@ -7,7 +7,7 @@ import torch
 from omegaconf import OmegaConf
 from skip_core.config import ConfigError, parse_section
 from skip_plugin_trainer.data import PromptLoader, RLDataset, collate
-from skip_plugin_trainer.rollout.chat import ChatFormat
+from skip_plugin_trainer.data.chat import ChatFormat
 from skip_plugin_trainer.run_sections import DataConfig
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast

@@ -15,12 +15,12 @@ from skip_plugin_arithmetic.calculator import SCHEMA, Calculator
 from skip_plugin_arithmetic.task import demonstration, problems, prompt, score
 from skip_plugin_hf.config import HFConfig
 from skip_plugin_trainer.algorithm_settings import ActorConfig, Optim
+from skip_plugin_trainer.reward import place_on_last_token
 from skip_plugin_trainer.rollout.agent_loop import AgentLoop
 from skip_plugin_trainer.rollout.tools import HermesParser
 from skip_plugin_trainer.run_sections import LoopConfig
 from skip_plugin_trainer.train.algorithm import compute_advantages
 from skip_plugin_trainer.train.policy import Policy
-from skip_plugin_trainer.train.reward import place_on_last_token
 
 PROBLEMS = problems("learning-test", 8, seed=0)
 SAMPLES = 8  # per prompt: a GRPO group

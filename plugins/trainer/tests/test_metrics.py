@@ -11,17 +11,9 @@ import pytest
 import torch
 from rich.console import Console
 from skip_core.batch import Batch
-from skip_plugin_trainer.train.metrics import (
-    MetricsWarning,
-    Tracking,
-    data_metrics,
-    engine_metrics,
-    plot,
-    plot_figure,
-    summary_table,
-    throughput_metrics,
-    timing_metrics,
-)
+from skip_plugin_trainer.train.metrics import data_metrics, engine_metrics, throughput_metrics, timing_metrics
+from skip_plugin_trainer.train.summary import plot, plot_figure, summary_table
+from skip_plugin_trainer.train.tracking import MetricsWarning, Tracking
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

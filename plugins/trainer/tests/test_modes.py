@@ -3,7 +3,7 @@
 import torch
 from skip_plugin_trainer.train import shards
 from skip_plugin_trainer.train.checkpoint import CheckpointManager
-from skip_plugin_trainer.train.metrics import plot
+from skip_plugin_trainer.train.summary import plot
 from skiptests import assert_umask_modes
 
 

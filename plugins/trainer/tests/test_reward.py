@@ -6,7 +6,7 @@ import torch
 from skip_core.batch import Batch
 from skip_core.config import ConfigError
 from skip_plugin_trainer.algorithm_settings import OverlongBuffer, RewardConfig
-from skip_plugin_trainer.train.reward import Rewarder, overlong_rewards, place_on_last_token, score_by_task
+from skip_plugin_trainer.reward import Rewarder, overlong_rewards, place_on_last_token, score_by_task
 
 
 class Tokenizer:

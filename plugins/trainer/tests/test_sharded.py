@@ -162,9 +162,8 @@ def test_a_weight_sync_from_two_ranks_gathers_one_bucket_at_a_time(ray_session, 
     from skip_plugin_trainer.algorithm_settings import ActorConfig
     from skip_plugin_trainer.rollout.weights import MEGABYTE, unpack
     from skip_plugin_trainer.train.distributed import Group, free_address, own_state
-    from skip_plugin_trainer.train.model_group import ModelGroup
+    from skip_plugin_trainer.train.model_group import ModelGroup, WeightSource
     from skip_plugin_trainer.train.policy import Policy
-    from skip_plugin_trainer.train.rollout_group import WeightSource
 
     config = ActorConfig(ppo_mini_batch_size=1, ppo_micro_batch_size=1)
     expected = own_state(Policy(str(tiny_model_dir), config, samples_per_prompt=2).model)

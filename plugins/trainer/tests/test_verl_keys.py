@@ -175,7 +175,7 @@ def test_cfg_job_prints_the_composed_config_as_hydra_does():
 
 
 def test_a_custom_reward_function_is_loaded_from_the_file_verl_names(tmp_path):
-    from skip_plugin_trainer.train.reward import Rewarder, _score
+    from skip_plugin_trainer.reward import Rewarder, _score
 
     source = tmp_path / "my_reward.py"
     source.write_text(
@@ -199,7 +199,7 @@ def test_a_custom_reward_function_is_loaded_from_the_file_verl_names(tmp_path):
     ],
 )
 def test_a_custom_reward_function_that_cannot_load_is_one_line(tmp_path, path, name, message):
-    from skip_plugin_trainer.train.reward import Rewarder
+    from skip_plugin_trainer.reward import Rewarder
 
     (tmp_path / "my_reward.py").write_text("def compute_score(*args):\n    return 0.0\n")
     (tmp_path / "broken.py").write_text("1 / 0\n")
@@ -221,7 +221,7 @@ def test_skip_rollout_checks_as_skip_run_does():
 def test_chat_template_kwargs_reach_every_rendering(task_dir):
     """verl's ``data.apply_chat_template_kwargs`` (Qwen3 scripts pass enable_thinking=false):
     the dataset's prompts and the agent loop's pieces are rendered with them."""
-    from skip_plugin_trainer.rollout.chat import ChatFormat
+    from skip_plugin_trainer.data.chat import ChatFormat
     from transformers import AutoTokenizer
 
     s = settings("+data.apply_chat_template_kwargs.enable_thinking=false")

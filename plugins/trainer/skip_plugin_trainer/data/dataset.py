@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from skip_core.config import ConfigError
 
+from skip_plugin_trainer.data.chat import ChatFormat
 from skip_plugin_trainer.data.rows import data_files, messages, read_rows, tools_kwargs
-from skip_plugin_trainer.rollout.chat import ChatFormat
 from skip_plugin_trainer.run_sections import DataConfig
 
 logger = logging.getLogger(__name__)

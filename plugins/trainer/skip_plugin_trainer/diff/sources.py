@@ -132,7 +132,7 @@ def read_metrics(path: Path, root: Path, notes: list[str]) -> dict[int, dict[str
     """The numeric metrics of each step of a ``metrics.jsonl``; a step's later lines add to and
     override its earlier ones (a staged line, then the logged one). Lines that do not parse (a
     crash mid-write) are skipped, and ``notes`` says how many."""
-    from skip_plugin_trainer.train.metrics import MAX_METRICS_BYTES
+    from skip_plugin_trainer.train.tracking import MAX_METRICS_BYTES
 
     try:
         text = reading.read_bytes(path, MAX_METRICS_BYTES, root).decode("utf-8", errors="replace")

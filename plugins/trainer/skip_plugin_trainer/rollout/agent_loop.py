@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import time
 import zlib
-from collections import Counter
 from collections.abc import Awaitable, Mapping
 from typing import Any, TypeVar
 
@@ -27,9 +26,10 @@ from skip_core.batch import Batch
 from skip_core.loop_thread import LoopThread
 from skip_core.manager import SkipManager
 
-from skip_plugin_trainer.rollout.chat import ChatFormat
+from skip_plugin_trainer.data.chat import ChatFormat
 from skip_plugin_trainer.rollout.padding import ROLLOUT_LAYOUT, pad_requests
 from skip_plugin_trainer.rollout.request import Request, State
+from skip_plugin_trainer.rollout.stats import rollout_stats
 from skip_plugin_trainer.rollout.tools import Tool, ToolCall, ToolParser, ToolResponse
 from skip_plugin_trainer.rollout.weights import EngineWeights
 from skip_plugin_trainer.run_sections import LoopConfig, Sampling
@@ -347,17 +347,7 @@ class AgentLoop:
     def _to_batch(self, requests: list[Request], seconds: float, validate: bool) -> Batch:
         requests.sort(key=lambda r: (r.batch_index, r.offset))
         batch = pad_requests(requests, self.config.prompt_length, self.config.response_length, self.tokenizer)
-        generated = sum(sum(r.response_mask) for r in requests)
-        batch.meta_info["rollout"] = {
-            "requests": len(requests),
-            "turns": sum(r.turns for r in requests),
-            "tool_calls": sum(r.tool_calls for r in requests),
-            "generated_tokens": generated,
-            "seconds": seconds,
-            "tokens_per_second": generated / seconds if seconds > 0 else 0.0,
-            "finish_reasons": dict(Counter(r.finish_reason for r in requests)),
-            "validate": validate,
-        }
+        batch.meta_info["rollout"] = rollout_stats(requests, seconds, validate)
         return batch
 
 

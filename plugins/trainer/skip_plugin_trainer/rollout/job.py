@@ -23,8 +23,8 @@ from skip_core.manager import SkipManager
 
 from skip_plugin_trainer.data import PromptLoader, generation_inputs
 from skip_plugin_trainer.rollout.agent_loop import AgentLoop
-from skip_plugin_trainer.rollout.padding import merge_rollout_stats
 from skip_plugin_trainer.rollout.parts import RolloutParts, load_tokenizer, prepare_task, prompt_loader
+from skip_plugin_trainer.rollout.stats import merge_rollout_stats
 from skip_plugin_trainer.run_sections import TrainerConfig
 from skip_plugin_trainer.settings import RolloutSettings
 
@@ -186,7 +186,7 @@ def _rewarder(settings: RolloutSettings, tokenizer: Any) -> Any:
     """The configured reward function, for the task score; None without a task."""
     if settings.task.name is None:
         return None
-    from skip_plugin_trainer.train.reward import Rewarder
+    from skip_plugin_trainer.reward import Rewarder
 
     return Rewarder(settings.reward, tokenizer, settings.data.max_response_length)
 

@@ -76,18 +76,3 @@ def _pad(rows: Sequence[Sequence], length: int, value: Any, left: bool, dtype=to
         out[i, span] = torch.tensor(row, dtype=dtype)
         mask[i, span] = 1
     return out, mask
-
-
-def merge_rollout_stats(parts: Sequence[dict[str, Any]], concurrent: bool = True) -> dict[str, Any]:
-    """One summary for a batch generated in parts, at the same time (one per rollout worker) or,
-    not ``concurrent``, one after the other."""
-    merged = {key: sum(p[key] for p in parts) for key in ("requests", "turns", "tool_calls", "generated_tokens")}
-    merged["seconds"] = (max if concurrent else sum)(p["seconds"] for p in parts)
-    merged["tokens_per_second"] = merged["generated_tokens"] / merged["seconds"] if merged["seconds"] > 0 else 0.0
-    reasons: dict[str, int] = {}
-    for part in parts:
-        for reason, count in part["finish_reasons"].items():
-            reasons[reason] = reasons.get(reason, 0) + count
-    merged["finish_reasons"] = reasons
-    merged["validate"] = parts[0]["validate"]
-    return merged

@@ -7,17 +7,19 @@ collectives inside their calls, which meet only if every rank gets the same call
 order: calls go to all ranks at once, under a lock, whichever thread of a schedule makes them.
 A rank that dies fails the call at once (its peers would wait in a collective until the
 run's pools are freed), as a ``RayActorError`` naming it.
+
+``WeightSource`` is the policy group's side of a weight sync, the buckets the rollout workers load.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-import ray
 from skip_core.batch import Batch
 
+from skip_plugin_trainer.actors import settle
 from skip_plugin_trainer.train.algorithm import Totals
 from skip_plugin_trainer.train.trained import UpdateMetrics
 
@@ -77,11 +79,25 @@ def update_shares(batch: Batch, mini_batch: int, ranks: int) -> list[Batch]:
     return shares
 
 
-def settle(refs: Sequence[Any]) -> list[Any]:
-    """The results of ``refs`` in order, failing as soon as any fails (not after the others,
-    which may wait on the failed one forever)."""
-    pending, results = list(refs), {}
-    while pending:
-        (ref,), pending = ray.wait(pending, num_returns=1)
-        results[ref] = ray.get(ref)
-    return [results[ref] for ref in refs]
+class WeightSource:
+    """The actor's weights of the last sync, as buckets of ``megabytes`` (``keep``: snapshotted,
+    for a schedule that trains while they are sent). ``actor`` is its ``ModelGroup``: every rank
+    gathers each bucket's tensors, rank 0 hands them over."""
+
+    def __init__(self, actor: ModelGroup, megabytes: float, keep: bool) -> None:
+        self.actor, self.megabytes, self.keep = actor, megabytes, keep
+        self.version = 0
+        self.count = 0
+
+    def publish(self, version: int) -> None:
+        self.count = self.actor.call("publish_weights", self.megabytes, self.keep)[0]
+        self.version = version
+
+    def buckets(self) -> Iterator[tuple[int, Any]]:
+        """Each bucket's object ref, the next one asked of the actor before this one is used."""
+        ahead = self.actor.submit("weight_bucket", 0) if self.count else None
+        for index in range(self.count):
+            refs = ahead
+            ahead = self.actor.submit("weight_bucket", index + 1) if index + 1 < self.count else None
+            settle(refs[1:])  # a rank lost while gathering fails the sync here, not in a rollout worker
+            yield index, refs[0]

@@ -11,11 +11,11 @@ from skip_core.layout import Column, Layout
 from skip_core.manager import SkipManager
 from skip_core.schedule import StepRecord
 
+from skip_plugin_trainer.reward import Rewarder
 from skip_plugin_trainer.settings import RunSettings
 from skip_plugin_trainer.train.algorithm import agg_loss, apply_kl_penalty, compute_advantages
 from skip_plugin_trainer.train.correction import correct
 from skip_plugin_trainer.train.model_group import ModelGroup
-from skip_plugin_trainer.train.reward import Rewarder
 from skip_plugin_trainer.train.value import gae_advantages, value_metrics
 
 # What the policy worker reads; nothing else crosses to it.

@@ -21,10 +21,11 @@ from ray.exceptions import RayTaskError
 from skip_core.config import ConfigError
 from skip_core.errors import SkipError
 
+from skip_plugin_trainer.actors import settle
 from skip_plugin_trainer.settings import RunSettings
 from skip_plugin_trainer.train.checkpoint import STEP_DIR, CheckpointManager
 from skip_plugin_trainer.train.checkpoint_files import GROUPS, Checkpoint, CorruptCheckpoint
-from skip_plugin_trainer.train.model_group import ModelGroup, settle
+from skip_plugin_trainer.train.model_group import ModelGroup
 from skip_plugin_trainer.train.phases import actor_updates
 
 WAYS_OUT = "use a new run directory (trainer.default_local_dir=...) or start over here (trainer.resume_mode=disable)"

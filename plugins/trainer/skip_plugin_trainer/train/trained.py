@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from skip_core.batch import Batch
 
+from skip_plugin_trainer.actors import Located
 from skip_plugin_trainer.train import lr_schedule, shards
 from skip_plugin_trainer.train.algorithm import Totals
 from skip_plugin_trainer.train.distributed import Group, as_float, join, rank, shard, world
-from skip_plugin_trainer.train.located import Located
 
 
 @dataclass

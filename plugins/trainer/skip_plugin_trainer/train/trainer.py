@@ -31,21 +31,13 @@ from skip_core.manager import SkipManager
 from skip_core.schedule import Schedule, StepRecord
 
 from skip_plugin_trainer.data import collate, generation_inputs
+from skip_plugin_trainer.rollout.group import WorkerLost
 from skip_plugin_trainer.rollout.parts import RolloutParts, prepare_task
 from skip_plugin_trainer.settings import RunSettings
 from skip_plugin_trainer.train.checkpoint import CheckpointManager, capture_rng, restore_rng
 from skip_plugin_trainer.train.checkpoint_files import Checkpoint
 from skip_plugin_trainer.train.dynamic_sampling import fill
-from skip_plugin_trainer.train.metrics import (
-    Tracking,
-    check_backends,
-    data_metrics,
-    engine_metrics,
-    plot,
-    summary_table,
-    throughput_metrics,
-    timing_metrics,
-)
+from skip_plugin_trainer.train.metrics import data_metrics, engine_metrics, throughput_metrics, timing_metrics
 from skip_plugin_trainer.train.phases import Phases
 from skip_plugin_trainer.train.preflight import check_writable, load_data, schedule, warn_unreachable
 from skip_plugin_trainer.train.resume import (
@@ -56,7 +48,8 @@ from skip_plugin_trainer.train.resume import (
     stopped,
     trainer_state,
 )
-from skip_plugin_trainer.train.rollout_group import WorkerLost
+from skip_plugin_trainer.train.summary import plot, summary_table
+from skip_plugin_trainer.train.tracking import Tracking, check_loggers
 from skip_plugin_trainer.train.train_data import save_train_data
 from skip_plugin_trainer.train.train_only import plan_engines
 from skip_plugin_trainer.train.workers import Cluster
@@ -72,7 +65,7 @@ class Trainer:
     def __init__(self, config: Any, console: Console) -> None:
         self.console = console
         self.settings = s = RunSettings.from_config(config)
-        check_backends(s.trainer.logger)
+        check_loggers(s.trainer.logger)
         torch.manual_seed(s.trainer.seed)
         self.schedule: Schedule = schedule(s)
         self.parts = RolloutParts.from_settings(s)

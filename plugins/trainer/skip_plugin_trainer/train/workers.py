@@ -18,67 +18,18 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-from skip_core import spans
-from skip_core.batch import Batch
 from skip_core.config import ConfigError
 
-from skip_plugin_trainer.rollout.weights import Bucket, unpack
-from skip_plugin_trainer.settings import RolloutSettings, RunSettings
+from skip_plugin_trainer.rollout.group import RolloutGroup
+from skip_plugin_trainer.rollout.worker import RolloutWorker
+from skip_plugin_trainer.settings import RunSettings
 from skip_plugin_trainer.train.critic import Critic
 from skip_plugin_trainer.train.distributed import Group, free_address
-from skip_plugin_trainer.train.located import Located
-from skip_plugin_trainer.train.model_group import ModelGroup
+from skip_plugin_trainer.train.model_group import ModelGroup, WeightSource
 from skip_plugin_trainer.train.policy import Policy
-from skip_plugin_trainer.train.rollout_group import RolloutGroup, WeightSource
 
 POOL_TIMEOUT_S = 60
 STREAMED_PER_WORKER = 256
-
-
-class RolloutWorker(Located):
-    """One agent loop and backend, built in the worker process from the run's settings.
-
-    ``rank`` names the worker in profiles; spans of work outside a rollout (weight loads)
-    carry the step of the last batch it generated.
-    """
-
-    def __init__(self, settings: RolloutSettings, threads: int, rank: int) -> None:
-        import torch
-        from transformers.utils import logging as hf_logging
-
-        from skip_plugin_trainer.rollout.parts import RolloutParts, load_tokenizer
-
-        hf_logging.disable_progress_bar()
-        torch.set_num_threads(threads)
-        spans.configure(settings.sections, worker=rank)
-        self.loop = RolloutParts.from_settings(settings).agent_loop(settings, load_tokenizer(settings))
-        self.step = 0
-
-    def generate_sequences(self, prompts: Batch) -> Batch:
-        self.step = int(prompts.meta_info.get("global_steps", self.step))
-        return self.loop.generate_sequences(prompts)
-
-    def load_weights_bucket(self, bucket: Bucket, index: int, count: int, version: int, interrupt: bool) -> None:
-        with spans.span("weight_sync", step=self.step, bucket=index):
-            self.loop.load_weights_bucket(unpack(bucket), index, count, version, interrupt)
-
-    def engine_counters(self) -> dict[str, float]:
-        return self.loop.backend.counters()
-
-    def sleep(self) -> None:
-        with spans.span("engine_sleep", step=self.step):
-            self.loop.sleep()
-
-    def wake_up(self) -> None:
-        with spans.span("engine_wake", step=self.step):
-            self.loop.wake_up()
-
-    def shutdown(self) -> None:
-        """Stop the engine and write out the spans still buffered (``ray.kill`` would lose them)."""
-        try:
-            self.loop.shutdown()
-        finally:
-            spans.close()
 
 
 class Cluster:

@@ -19,7 +19,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -27,9 +27,9 @@ from skip_core import spans
 from skip_core.batch import Batch
 from skip_core.manager import SkipManager
 
-from skip_plugin_trainer.rollout.padding import ROLLOUT_LAYOUT, merge_rollout_stats
-from skip_plugin_trainer.train.located import Where
-from skip_plugin_trainer.train.model_group import ModelGroup, settle
+from skip_plugin_trainer.actors import Where
+from skip_plugin_trainer.rollout.padding import ROLLOUT_LAYOUT
+from skip_plugin_trainer.rollout.stats import merge_rollout_stats
 
 SHUTDOWN_TIMEOUT_S = 120
 RESTART_POLL_S = 2  # how often a wait for a restart looks whether the worker's node is gone
@@ -39,28 +39,16 @@ class WorkerLost(RuntimeError):
     """A Ray worker of the run died and was not restarted; the message names it and where it ran."""
 
 
-class WeightSource:
-    """The actor's weights of the last sync, as buckets of ``megabytes`` (``keep``: snapshotted,
-    for a schedule that trains while they are sent). ``actor`` is its ``ModelGroup``: every rank
-    gathers each bucket's tensors, rank 0 hands them over."""
+class Weights(Protocol):
+    """The weights of a sync, as the actor publishes them (``train.model_group.WeightSource``):
+    ``count`` buckets of step ``version``, each an object ref."""
 
-    def __init__(self, actor: ModelGroup, megabytes: float, keep: bool) -> None:
-        self.actor, self.megabytes, self.keep = actor, megabytes, keep
-        self.version = 0
-        self.count = 0
+    count: int
+    version: int
 
-    def publish(self, version: int) -> None:
-        self.count = self.actor.call("publish_weights", self.megabytes, self.keep)[0]
-        self.version = version
+    def publish(self, version: int) -> None: ...
 
-    def buckets(self) -> Iterator[tuple[int, Any]]:
-        """Each bucket's object ref, the next one asked of the actor before this one is used."""
-        ahead = self.actor.submit("weight_bucket", 0) if self.count else None
-        for index in range(self.count):
-            refs = ahead
-            ahead = self.actor.submit("weight_bucket", index + 1) if index + 1 < self.count else None
-            settle(refs[1:])  # a rank lost while gathering fails the sync here, not in a rollout worker
-            yield index, refs[0]
+    def buckets(self) -> Iterator[tuple[int, Any]]: ...
 
 
 class RolloutGroup:
@@ -81,7 +69,7 @@ class RolloutGroup:
         self.asleep = False
         self._turn = 0
         self._lock = threading.Lock()
-        self._weights: WeightSource | None = None  # of the last sync
+        self._weights: Weights | None = None  # of the last sync
         self._where: list[Any] = []  # each worker's answer to ``where``: the process to name if it is lost
         self._gone: set[int] = set()  # ranks Ray did not restart: nothing more is asked of them
         # Held to publish weights and give them to workers, so a worker restored by one thread
@@ -250,7 +238,7 @@ class RolloutGroup:
             f"{cause}"
         )
 
-    def update_weights(self, source: WeightSource, version: int, interrupt: bool = False) -> None:
+    def update_weights(self, source: Weights, version: int, interrupt: bool = False) -> None:
         """Send the actor's weights of step ``version``; ``interrupt`` pauses generations in
         flight instead of requiring none. They stay published: a worker started or restarted
         later loads them first."""

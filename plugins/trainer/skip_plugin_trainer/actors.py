@@ -1,10 +1,13 @@
-"""``Located``: a Ray actor that can say where it runs, so that the warning or the error about
-losing it names the process and the node (a dead actor can no longer be asked)."""
+"""What the run's Ray actors share: ``Located``, an actor that can say where it runs, so that the
+warning or the error about losing it names the process and the node (a dead actor can no longer
+be asked); and ``settle``, the results of calls to several actors, failing at the first that fails."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 
@@ -28,3 +31,13 @@ class Where:
 class Located:
     def where(self) -> Where:
         return Where(os.getpid(), ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id())
+
+
+def settle(refs: Sequence[Any]) -> list[Any]:
+    """The results of ``refs`` in order, failing as soon as any fails (not after the others,
+    which may wait on the failed one forever)."""
+    pending, results = list(refs), {}
+    while pending:
+        (ref,), pending = ray.wait(pending, num_returns=1)
+        results[ref] = ray.get(ref)
+    return [results[ref] for ref in refs]

@@ -1,0 +1,57 @@
+"""``RolloutWorker``: the Ray actor of one rollout worker, its agent loop and backend built in the
+worker process from the run's settings; ``RolloutGroup`` (``group.py``) is the driver's handle on them."""
+
+from __future__ import annotations
+
+from skip_core import spans
+from skip_core.batch import Batch
+
+from skip_plugin_trainer.actors import Located
+from skip_plugin_trainer.rollout.weights import Bucket, unpack
+from skip_plugin_trainer.settings import RolloutSettings
+
+
+class RolloutWorker(Located):
+    """One agent loop and backend, built in the worker process from the run's settings.
+
+    ``rank`` names the worker in profiles; spans of work outside a rollout (weight loads)
+    carry the step of the last batch it generated.
+    """
+
+    def __init__(self, settings: RolloutSettings, threads: int, rank: int) -> None:
+        import torch
+        from transformers.utils import logging as hf_logging
+
+        from skip_plugin_trainer.rollout.parts import RolloutParts, load_tokenizer
+
+        hf_logging.disable_progress_bar()
+        torch.set_num_threads(threads)
+        spans.configure(settings.sections, worker=rank)
+        self.loop = RolloutParts.from_settings(settings).agent_loop(settings, load_tokenizer(settings))
+        self.step = 0
+
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        self.step = int(prompts.meta_info.get("global_steps", self.step))
+        return self.loop.generate_sequences(prompts)
+
+    def load_weights_bucket(self, bucket: Bucket, index: int, count: int, version: int, interrupt: bool) -> None:
+        with spans.span("weight_sync", step=self.step, bucket=index):
+            self.loop.load_weights_bucket(unpack(bucket), index, count, version, interrupt)
+
+    def engine_counters(self) -> dict[str, float]:
+        return self.loop.backend.counters()
+
+    def sleep(self) -> None:
+        with spans.span("engine_sleep", step=self.step):
+            self.loop.sleep()
+
+    def wake_up(self) -> None:
+        with spans.span("engine_wake", step=self.step):
+            self.loop.wake_up()
+
+    def shutdown(self) -> None:
+        """Stop the engine and write out the spans still buffered (``ray.kill`` would lose them)."""
+        try:
+            self.loop.shutdown()
+        finally:
+            spans.close()

@@ -1,0 +1,167 @@
+"""The end of a run: a table of its steps' totals and a plot of its scores and each step's phases."""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import rich.console
+import rich.table
+from skip_core.files import write_atomic
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+#: The driver's timed phases (``StepRecord.timed``) in the order a step runs them, the sync schedule's and the
+#: overlapped schedules' own weight syncs, so each keeps its place and colour from run to run.
+_PHASES = (
+    "gen",
+    "sync_rollout_weights",
+    "reward",
+    "old_log_prob",
+    "ref",
+    "adv",
+    "update_actor",
+    "update_weights",
+    "param_sync",
+    "testing",
+    "save_checkpoint",
+)
+
+#: ``testing`` times the validation rollouts and their scoring; "other" would hide the largest phase of a due step.
+_PHASE_LABELS = {"testing": "validation"}
+
+#: one_step_off's generation of a batch on the rollout pool, while the previous step trained: not part of the step.
+_BACKGROUND = "generate_async"
+
+_TRAIN_SCORE = "critic/score/mean"
+
+_VAL_MEAN = re.compile(r"^val(-core)?/.*(score|reward)/mean(@\d+)?$")
+
+
+def _fmt(value: Any, spec: str = "{:.4g}") -> str:
+    return "-" if value is None else spec.format(value)
+
+
+def _totals(history: Sequence[Mapping[str, Any]]) -> str:
+    """One line answering: how long did it take, where did the time go, did the score move."""
+    steps = [r["timing_s/step"] for r in history if "timing_s/step" in r]
+    gens = [r["timing_s/gen"] for r in history if "timing_s/step" in r and "timing_s/gen" in r]
+    scores = [r["critic/score/mean"] for r in history if "critic/score/mean" in r]
+    total = sum(steps) if steps else None
+    return " · ".join(
+        [
+            f"total {_fmt(total, '{:.1f}')}s",
+            f"mean step {_fmt(total / len(steps) if steps else None, '{:.2f}')}s",
+            f"gen {_fmt(sum(gens) / total * 100 if gens and total else None, '{:.0f}')}% of step time",
+            f"score {_fmt(scores[0] if scores else None)} → {_fmt(scores[-1] if scores else None)}",
+        ]
+    )
+
+
+def summary_table(history: Sequence[Mapping[str, Any]], title: str = "skip run") -> rich.table.Table:
+    """End-of-run overview, one row per step, with run totals in the caption."""
+    columns = [
+        ("score", "critic/score/mean", "{:.4g}"),
+        ("resp len", "response_length/mean", "{:.4g}"),
+        ("entropy", "actor/entropy", "{:.4g}"),
+        ("pg loss", "actor/pg_loss", "{:.4g}"),
+        ("grad norm", "actor/grad_norm", "{:.4g}"),
+        ("gen s", "timing_s/gen", "{:.2f}"),
+        ("step s", "timing_s/step", "{:.2f}"),
+    ]
+    table = rich.table.Table(title=title, caption=_totals(history))
+    table.add_column("step", justify="right")
+    for label, _, _ in columns:
+        table.add_column(label, justify="right")
+    for record in history:
+        table.add_row(str(record.get("step", "-")), *(_fmt(record.get(key), spec) for _, key, spec in columns))
+    return table
+
+
+def plot(history: Sequence[Mapping[str, Any]], path: Path) -> Path:
+    """``plot_figure`` as a PNG at ``path``, written atomically so a crash never leaves half an image."""
+    buffer = io.BytesIO()
+    plot_figure(history).savefig(buffer, format="png")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, buffer.getvalue())
+    return path
+
+
+def plot_figure(history: Sequence[Mapping[str, Any]]) -> Figure:
+    """Score and stacked phase times per step, so a cached (collapsed) gen phase stands out; returned rather than
+    saved so its lines and bars can be read back. Legends sit right of the axes, where they cannot cover data."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(10, 6), layout="constrained")
+    FigureCanvasAgg(fig)
+    score_ax, time_ax = fig.subplots(2, 1, sharex=True)
+    for keys, steps, values in _score_series(history):
+        style = {"marker": "o"} if keys[0] == _TRAIN_SCORE else {"marker": "s", "linestyle": "--"}
+        score_ax.plot(steps, values, label=" = ".join("train" if k == _TRAIN_SCORE else k for k in keys), **style)
+    score_ax.set_ylabel("score mean")
+    _phase_bars(time_ax, history)
+    time_ax.set_xlabel("step")
+    time_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    time_ax.set_ylabel("step time (s)")
+    for ax in (score_ax, time_ax):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    return fig
+
+
+def _score_series(history: Sequence[Mapping[str, Any]]) -> list[tuple[list[str], list[int], list[float]]]:
+    """Train, then validation score means (overall before per source) as (keys, steps, values). A series equal to
+    one already kept joins its keys instead of drawing a second line on top of it: the only data source's mean is
+    the overall mean (``val/score/mean = val/arithmetic/score/mean``); train is val in a run scoring 0 throughout."""
+    val_keys = sorted({k for r in history for k in r if _VAL_MEAN.match(k)}, key=lambda k: (k.count("/"), k))
+    series: list[tuple[list[str], list[int], list[float]]] = []
+    for key in (_TRAIN_SCORE, *val_keys):
+        steps, values = [r["step"] for r in history if key in r], [r[key] for r in history if key in r]
+        if not steps:
+            continue
+        same = next((s for s in series if s[1] == steps and np.allclose(s[2], values, equal_nan=True)), None)
+        if same is None:
+            series.append(([key], steps, values))
+        else:
+            same[0].append(key)
+    return series
+
+
+def _phase_bars(ax: Axes, history: Sequence[Mapping[str, Any]]) -> None:
+    """Every phase the driver timed, stacked in the order it runs, then "other" up to the step's wall time (the
+    prompts' loading, metrics: the step outside every phase). A phase missing from ``_PHASES`` (a new schedule's)
+    gets a bar of its own after them rather than vanishing into "other"."""
+    from matplotlib import colormaps
+
+    timed = [r for r in history if any(k.startswith("timing_s/") for k in r)]
+    names = {k.removeprefix("timing_s/") for r in timed for k in r if k.startswith("timing_s/")}
+    phases = [p for p in _PHASES if p in names] + sorted(names - {*_PHASES, "step", _BACKGROUND})
+    # tab20's strong hues, then its light ones, without its grays: gray is "other".
+    tab20 = colormaps["tab20"].colors
+    palette = [tab20[i] for i in (*range(0, 20, 2), *range(1, 20, 2)) if i not in (14, 15)]
+    steps = [r["step"] for r in timed]
+    bottom = np.zeros(len(timed))
+    for phase in phases:
+        heights = np.array([r.get(f"timing_s/{phase}", 0.0) for r in timed])
+        color = palette[(*_PHASES, *phases).index(phase) % len(palette)]
+        ax.bar(steps, heights, bottom=bottom, label=_PHASE_LABELS.get(phase, phase), color=color)
+        bottom += heights
+    other = np.array([max(r.get("timing_s/step", 0.0) - b, 0.0) for r, b in zip(timed, bottom, strict=True)])
+    if other.any():
+        ax.bar(steps, other, bottom=bottom, label="other", color="lightgray")
+    # generate_async ran on the rollout pool while the previous step's phases ran (its wait shows as this step's
+    # gen): stacked, it would add seconds the step did not take, so it is a line over the bars, not a bar.
+    background = [r for r in timed if f"timing_s/{_BACKGROUND}" in r]
+    if background:
+        seconds = [r[f"timing_s/{_BACKGROUND}"] for r in background]
+        label = f"{_BACKGROUND} (background, not stacked)"
+        ax.plot([r["step"] for r in background], seconds, color="black", marker="D", linestyle=":", label=label)
