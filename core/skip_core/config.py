@@ -22,7 +22,7 @@ from skip_core.errors import SkipError
 # What this repository's plugin distributions provide, and where each lives in it: an error
 # about a missing role, backend or config section names the distribution and how to install it from
 # a clone. Nothing is published to a package index, and only what the repository has is listed.
-SHIPPED = {
+PLUGIN_FOLDERS = {
     ("role", "rollout"): "plugins/rollout",
     ("role", "async_rollout"): "plugins/async_rollout",
     ("role", "ref_log_prob"): "plugins/ref_log_prob",
@@ -52,7 +52,7 @@ SHIPPED = {
 
 def install_hint(kind: str, name: str) -> str:
     """How to install the distribution of this repository that provides ``kind`` ``name``, or ``""``."""
-    folder = SHIPPED.get((kind, name))
+    folder = PLUGIN_FOLDERS.get((kind, name))
     if folder is None:
         return ""
     distribution = "skip-plugin-" + folder.rsplit("/", 1)[1].replace("_", "-")

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from skip_core.config import (
-    SHIPPED,
+    PLUGIN_FOLDERS,
     ConfigError,
     RoleConfig,
     install_hint,
@@ -64,7 +64,7 @@ def parse_sections(config: Any, declared: Mapping[str, type[BaseModel]]) -> Sect
         if model in models:
             raise ConfigError(f"{key}: model {model.__name__} is declared for both {models[model]} and {key}")
         models[model] = key
-    known = set(declared) | {name for kind, name in SHIPPED if kind == "section"}
+    known = set(declared) | {name for kind, name in PLUGIN_FOLDERS if kind == "section"}
     _check_nests(config, declared, known)
     _check_not_installed(config, known - set(declared))
     return Sections(*(_parse(config, key, model, known) for key, model in declared.items()))

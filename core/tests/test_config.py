@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 from skip_core import ConfigError, SkipManager
-from skip_core.config import SHIPPED, Namespace, RoleConfig, install_hint, parse_section
+from skip_core.config import PLUGIN_FOLDERS, Namespace, RoleConfig, install_hint, parse_section
 from skip_core.hydra_defaults import register_hydra_defaults
 from skiptests import ROOT, run_config
 
@@ -178,7 +178,7 @@ def test_hydra_overrides_work_as_in_the_design_doc(tmp_path):
         SkipManager.init(bad)
 
 
-@pytest.mark.parametrize(("kind", "name"), sorted(SHIPPED))
+@pytest.mark.parametrize(("kind", "name"), sorted(PLUGIN_FOLDERS))
 def test_install_hints_name_only_distributions_this_repository_has(kind, name):
     """The folder a hint names holds the distribution it names, so the line works from a clone."""
     hint = install_hint(kind, name)

@@ -14,7 +14,7 @@ from rich.console import Console
 # Pipes and CI logs get 80 columns by default, which would fold every path; give them room.
 console = Console(width=None if Console().is_terminal else 160)
 #: The package holding the shipped configs, for Hydra (``pkg://``).
-SHIPPED = "skip_plugin_trainer.configs"
+CONFIGS_PACKAGE = "skip_plugin_trainer.configs"
 
 
 def register(cli: click.Group) -> None:
@@ -133,9 +133,9 @@ def compose_config(config_dir: Path | None, config_name: str, overrides: tuple[s
         raise click.UsageError(f"--config-dir: no such directory {str(config_dir.resolve())!r}")
     if config_dir is not None and (config_dir / f"{config_name}.yaml").is_file():
         context = initialize_config_dir(config_dir=str(config_dir.resolve()), version_base=None)
-        search = [f"hydra.searchpath=[pkg://{SHIPPED}]"]
+        search = [f"hydra.searchpath=[pkg://{CONFIGS_PACKAGE}]"]
     else:
-        context = initialize_config_module(SHIPPED, version_base=None)
+        context = initialize_config_module(CONFIGS_PACKAGE, version_base=None)
         search = [f"hydra.searchpath=[file://{config_dir.resolve()}]"] if config_dir is not None else []
     with context:
         try:
@@ -175,8 +175,7 @@ def _missing_section(key: str) -> str | None:
     """For a key of a section a plugin of this repository declares, while that plugin is not
     installed: where the section comes from. (The shipped configs may carry such a section; an
     override of it would do nothing.)"""
-    from skip_core.config import SHIPPED as PLUGIN_FOLDERS
-    from skip_core.config import install_hint
+    from skip_core.config import PLUGIN_FOLDERS, install_hint
     from skip_core.plugins import registry
 
     declared = registry().sections
@@ -189,7 +188,7 @@ def _missing_section(key: str) -> str | None:
 def _no_config(config_dir: Path | None, config_name: str) -> str:
     import importlib.resources
 
-    files = importlib.resources.files(SHIPPED).iterdir()
+    files = importlib.resources.files(CONFIGS_PACKAGE).iterdir()
     shipped = ", ".join(sorted(f.name.removesuffix(".yaml") for f in files if f.name.endswith(".yaml")))
     where = f"{config_dir.resolve()} or " if config_dir is not None else ""
     return f"--config-name: no {config_name}.yaml in {where}the shipped configs ({shipped})"

@@ -22,7 +22,7 @@ from pydantic import (
     BaseModel,
 )
 from skip_core.config import (
-    SHIPPED,
+    PLUGIN_FOLDERS,
     ConfigError,
     Namespace,
     RoleConfig,
@@ -327,7 +327,7 @@ def check_top_level(config: dict[str, Any], declared: dict[str, type[BaseModel]]
     """Every top-level key is a declared section (or holds one), ``skip``, or one of ``others``.
     A section of a plugin this repository ships may stand there while the plugin is not
     installed (the shipped configs carry some): ``parse_sections`` refuses it turned on."""
-    shipped = {name for kind, name in SHIPPED if kind == "section"}
+    shipped = {name for kind, name in PLUGIN_FOLDERS if kind == "section"}
     allowed = {key.split(".")[0] for key in (*declared, *shipped)} | {"skip"} | others
     for key in config:
         if key not in allowed and not is_hydra_marker(key):
