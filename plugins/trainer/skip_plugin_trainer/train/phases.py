@@ -32,7 +32,10 @@ VALUES = Layout({"values": PER_TOKEN})
 
 
 class Phases:
-    """``overlapped``: the schedule generates with older weights, so by default the rollout
+    """A method a skip role wraps is named for its role (``reward``, ``old_log_prob``,
+    ``ref_log_prob``, ``values``); ``compute_*`` puts a phase's result into the step's batch.
+
+    ``overlapped``: the schedule generates with older weights, so by default the rollout
     log-probs are PPO's old log-probs (``algorithm.rollout_correction.bypass_mode``)."""
 
     def __init__(
@@ -58,11 +61,11 @@ class Phases:
                 record.metrics.update(self.compute_old_log_prob(batch))
         if self.settings.use_reference:
             with record.timed("ref"):
-                ref = self.compute_ref_log_prob(batch.select(ACTOR_INPUTS, [], []))
+                ref = self.ref_log_prob(batch.select(ACTOR_INPUTS, [], []))
                 batch.batch["ref_log_prob"] = ref.batch["ref_log_prob"]
         if self.critic is not None:
             with record.timed("values"):
-                batch.batch["values"] = self.compute_values(batch.select(ACTOR_INPUTS, [], [])).batch["values"]
+                batch.batch["values"] = self.values(batch.select(ACTOR_INPUTS, [], [])).batch["values"]
         with record.timed("adv"):
             record.metrics.update(self.compute_advantage(batch))
         if self.critic is not None:
@@ -119,13 +122,13 @@ class Phases:
         return metrics
 
     @SkipManager.annotate(role="ref_log_prob", layout=REF_LOG_PROB)
-    def compute_ref_log_prob(self, inputs: Batch) -> Batch:
+    def ref_log_prob(self, inputs: Batch) -> Batch:
         """Log-probs of the responses under the frozen reference model: skip's ``ref_log_prob``
         role replays them on its steps (exact: same reference weights, same inputs)."""
         return self.actor.compute_ref_log_prob(inputs)
 
     @SkipManager.annotate(role="values", layout=VALUES)
-    def compute_values(self, inputs: Batch) -> Batch:
+    def values(self, inputs: Batch) -> Batch:
         """The critic's ``values``: skip's ``values`` role replays them on its steps (exact when
         every earlier step was, so the critic holds the same weights)."""
         return self.critic.compute_values(inputs)
