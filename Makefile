@@ -23,7 +23,7 @@ demo: install
 	$(SKIP) run skip.rollout.enable=true skip.rollout.dump_dir=$(DEMO)/cache trainer.default_local_dir=$(DEMO)/replayed
 
 test:
-	$(PY) -m venv $(VENV) && $(VENV)/bin/pip install -q -r requirements-dev.txt && $(VENV)/bin/pip install -q --no-deps sglang==0.5.23 && $(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec && $(VENV)/bin/ruff check . && $(VENV)/bin/pytest -m "not loaded" && $(VENV)/bin/pytest -m loaded --busy 2
+	$(PY) -m venv $(VENV) && $(VENV)/bin/pip install -q -r requirements-dev.txt && $(VENV)/bin/pip install -q --no-deps sglang==0.5.23 && $(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec && $(VENV)/bin/ruff check . && $(VENV)/bin/mkdocs build --strict -d "$$(mktemp -d)" && $(VENV)/bin/pytest -m "not loaded" && $(VENV)/bin/pytest -m loaded --busy 2
 
 # Every distribution as a wheel in dist/, for machines without the clone (no package index has them).
 wheels:

@@ -66,7 +66,7 @@ def test_fully_async_with_partial_rollout_continues_interrupted_samples_in_the_e
 
 @engines
 def test_skip_rollout_at_the_defaults_writes_a_verified_batch_of_64_samples(task_dir, tmp_path, engine):
-    """The README's ``skip rollout rollout.backend=...``: the shipped options (vLLM compiled, both
+    """docs/rollout.md's ``skip rollout rollout.backend=...``: the shipped options (vLLM compiled, both
     engines in float32), the model's length."""
     task = [option for option in SMALL if option.startswith("task.")]  # the session's task, as built
     args = ["rollout", "--config-dir", str(CONFIGS), *task, f"task.dir={task_dir}", f"output_dir={tmp_path}"]

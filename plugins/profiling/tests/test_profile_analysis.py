@@ -302,7 +302,7 @@ def test_a_peak_needs_enough_steps_for_its_median(tmp_path):
 
 
 def test_every_stated_ratio_names_the_counts_behind_it(run, slow_tool):
-    """Peaks, the long tail and turn ratios say n=… vs n=…; so the sentences the README quotes."""
+    """Peaks, the long tail and turn ratios say n=… vs n=…; so the sentences docs/quickstart.md quotes."""
     found = {f.kind: f for f in analysis.findings(run)}
     assert "(n=1 vs n=8 steps; threshold" in found["peak"].text
     first, last = found["long_tail"].values["requests"]  # the 80% and the 20%: ties at the 80% point go first

@@ -1,5 +1,5 @@
 """The sharded actor end to end: ``resources.actor.workers=2`` (two Ray ranks, FSDP2 over gloo)
-against one worker, compared by ``skip diff`` at the README's tolerance; checkpoints that resume
+against one worker, compared by ``skip diff`` at the tolerance docs/gpus.md states; checkpoints that resume
 with another number of workers; colocated engines put to sleep while the actor trains."""
 
 import json
@@ -12,7 +12,7 @@ from skip_plugin_trainer.diff.compare import compare
 from skip_plugin_trainer.train.train_data import read_train_data
 from training import metrics, train
 
-TOLERANCE = {"atol": 1e-5, "rtol": 1e-4}  # the README's, "Training on GPUs"
+TOLERANCE = {"atol": 1e-5, "rtol": 1e-4}  # docs/gpus.md's
 KL = ("actor.use_kl_loss=true", "actor.entropy_coeff=0.01")  # the reference model is sharded too
 
 
