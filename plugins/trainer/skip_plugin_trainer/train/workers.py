@@ -55,6 +55,10 @@ class Cluster:
             # Ray starts workers at nice 15 to keep its driver responsive; here the workers do all
             # the run's work, and at 15 beside any other busy process they get a sliver of a CPU.
             local = {"num_cpus": resources.num_cpus, "_system_config": {"worker_niceness": 0}}
+            if not address:
+                # A new local Ray turns token authentication on when RAY_AUTH_MODE is unset, and warns
+                # that it did at every start: asking for it by name keeps it on, without the warning.
+                os.environ.setdefault("RAY_AUTH_MODE", "token")
             ray.init(**({"address": address} if address else local), include_dashboard=False, log_to_driver=True)
         rollout_pool, actor_pool = resources.rollout, resources.actor
         pools = [
