@@ -11,7 +11,7 @@ DEMO := runs/demo
 
 install:
 	$(PY) -m venv $(VENV)
-	$(VENV)/bin/pip install -q -c constraints.txt -e core -e plugins/rollout -e plugins/ref_log_prob -e plugins/trainer -e plugins/one_step_off -e plugins/fully_async -e plugins/arithmetic -e plugins/hf -e plugins/profiling
+	$(VENV)/bin/pip install -q -c constraints.txt -e core -e plugins/rollout -e plugins/ref_log_prob -e plugins/trainer -e plugins/one_step_off -e plugins/fully_async -e plugins/arithmetic -e plugins/hf -e 'plugins/profiling[analysis]'
 
 # Both runs share the cache namespace (project and experiment names), so the second one loads
 # every step's rollout the first one dumped; each has its own run directory for the comparison.

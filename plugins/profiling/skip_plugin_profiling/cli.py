@@ -27,6 +27,7 @@ def profile() -> None:
 )
 def report(log_dir: Path, out: Path | None, step: int | None, top: int, lengths: tuple[int, ...]) -> None:
     """Write figures, index.html and report.md explaining where rollout time went."""
+    _analysis_stack()
     from skip_plugin_profiling.analysis import analyze, findings
     from skip_plugin_profiling.report import write_report
 
@@ -54,6 +55,7 @@ def report(log_dir: Path, out: Path | None, step: int | None, top: int, lengths:
 @click.option("--step", "steps", type=int, multiple=True, help="Step to include (repeatable; default all).")
 def trace(log_dir: Path, out: Path | None, steps: tuple[int, ...]) -> None:
     """Write a Chrome trace-event JSON file for ui.perfetto.dev or chrome://tracing."""
+    _analysis_stack()
     from skip_plugin_profiling.trace import write_trace
 
     started = time.perf_counter()
@@ -72,6 +74,18 @@ def trace(log_dir: Path, out: Path | None, steps: tuple[int, ...]) -> None:
 def register(cli: click.Group) -> None:
     """Add ``profile`` to the ``skip`` command (called from the plugin's skip_register_commands)."""
     cli.add_command(profile)
+
+
+def _analysis_stack() -> None:
+    """Capture installs without what the commands read logs with (the ``analysis`` extra)."""
+    try:
+        import matplotlib  # noqa: F401
+        import pyarrow  # noqa: F401
+    except ImportError as exc:
+        raise click.ClickException(
+            f"skip profile needs the analysis stack ({exc.name} is missing): pip install "
+            "'skip-plugin-profiling[analysis]' (from a clone of skip: pip install './plugins/profiling[analysis]')"
+        ) from None
 
 
 def _read(log_dir: Path):
