@@ -1,5 +1,5 @@
 """The plugin template renders a distribution that installs, is found through the ``skip``
-entry-point group, and passes its own tests against the real ``SkipManager``.
+entry-point group, and passes its own tests, which find its role there under its name.
 
 The rendered plugin is installed into a private ``--target`` directory, never into the test
 environment, and used from subprocesses that put that directory on ``PYTHONPATH``. The install
@@ -7,6 +7,7 @@ needs no network: it builds with the test environment's setuptools (>= 70.1, whi
 ``bdist_wheel`` built in).
 """
 
+import ast
 import os
 import subprocess
 import sys
@@ -62,6 +63,17 @@ def test_names_derive_from_plugin_name(tmp_path):
     assert (project / "tests" / "test_my_role.py").is_file()
 
 
+def test_the_rendered_package_is_titled_once_by_the_description(tmp_path):
+    description = "skip role 'judge': replay the judge's verdicts on chosen trainer steps"
+    project = render(tmp_path / "out", plugin_name="judge", author_name="Test Author", description=description)
+
+    docstring = ast.get_docstring(ast.parse((project / "skip_plugin_judge" / "__init__.py").read_text()))
+    title, blank, *body = docstring.splitlines()
+
+    assert (title, blank) == (f"{description}.", "")
+    assert [line for line in body if line.startswith(("Role ", "skip role"))] == []
+
+
 def test_skip_plugins_lists_the_installed_role(installed):
     _, site = installed
 
@@ -78,4 +90,4 @@ def test_rendered_plugin_passes_its_own_tests(installed):
         sys.executable, "-m", "pytest", project / "tests", "-q", "-p", "no:cacheprovider", cwd=site.parent, site=site
     )
 
-    assert "2 passed" in out
+    assert "3 passed" in out

@@ -29,6 +29,7 @@ PLUGIN_FOLDERS = {
     ("role", "reward"): "plugins/reward",
     ("role", "old_log_prob"): "plugins/old_log_prob",
     ("role", "values"): "plugins/values",
+    ("role", "rollout_tq"): "plugins/verl",
     ("backend", "hf"): "plugins/hf",
     ("backend", "vllm"): "plugins/vllm",
     ("backend", "sglang"): "plugins/sglang",

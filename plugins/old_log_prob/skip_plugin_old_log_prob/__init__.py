@@ -1,6 +1,4 @@
-"""Role ``old_log_prob`` for skip.
-
-skip role 'old_log_prob': replay the policy's recomputed log-probs and entropies on chosen trainer steps
+"""Role ``old_log_prob``: replay the policy's recomputed log-probs and entropies on chosen trainer steps.
 
 Decorate the function whose result the role caches with
 ``@SkipManager.annotate(role="old_log_prob")`` and call ``SkipManager.set_step`` each

@@ -1,6 +1,4 @@
-"""Role ``ref_log_prob`` for skip.
-
-skip role 'ref_log_prob': replay the reference policy's log-probs on chosen trainer steps
+"""Role ``ref_log_prob``: replay the reference policy's log-probs on chosen trainer steps.
 
 Decorate the function whose result the role caches with
 ``@SkipManager.annotate(role="ref_log_prob")`` and call ``SkipManager.set_step`` each

@@ -1,6 +1,4 @@
-"""Role ``reward`` for skip.
-
-skip role 'reward': replay the scores of the responses on chosen trainer steps, never for other responses
+"""Role ``reward``: replay the scores of the responses on chosen trainer steps, never for other responses.
 
 Decorate the function whose result the role caches with
 ``@SkipManager.annotate(role="reward")`` and call ``SkipManager.set_step`` each

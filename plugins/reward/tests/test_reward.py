@@ -1,86 +1,46 @@
+"""Role ``reward``'s own rule: a score belongs to its response. What every role satisfies is
+tests/test_role_contract.py."""
+
 import pytest
 import torch
 from skip_core import Batch, ConfigError, SkipManager
-from skip_core.store import scan
-
-ROLE = "reward"
+from skiptests import run_config
 
 
-@pytest.fixture(autouse=True)
-def fresh_manager():
-    SkipManager.reset()
-    yield
-    SkipManager.reset()
+class Scorer:
+    """A reward function: the score of a row is the sum of its tokens (prompt and response)."""
 
+    def __init__(self) -> None:
+        self.runs = 0
 
-@pytest.fixture
-def dump_dir(tmp_path):
-    """The role enabled with ``action=cache`` on step 1 only, dumping to tmp_path."""
-    config = {
-        "enable": True,
-        "dump_dir": str(tmp_path),
-        "steps": [1],
-        "action": "cache",
-    }
-    SkipManager.init({"skip": {ROLE: config}})
-    return tmp_path
-
-
-def counted():
-    """A function of the role, and the list of the calls that really ran its body."""
-    runs = []
-
-    @SkipManager.annotate(role=ROLE)
-    def compute(prompts: Batch) -> Batch:
-        runs.append(prompts)
+    @SkipManager.annotate(role="reward")
+    def compute(self, prompts: Batch) -> Batch:
+        self.runs += 1
         scores = prompts.batch["input_ids"].sum(-1, keepdim=True).float()
-        uid = prompts.non_tensor_batch["uid"]
-        return Batch.from_dict({"scores": scores}, {"uid": uid})
-
-    return compute, runs
+        return Batch.from_dict({"scores": scores}, {"uid": prompts.non_tensor_batch["uid"]})
 
 
-def make_prompts() -> Batch:
-    input_ids = torch.arange(6).reshape(2, 3)
-    return Batch.from_dict({"input_ids": input_ids}, {"uid": ["a", "b"]})
+def responses() -> Batch:
+    return Batch.from_dict({"input_ids": torch.arange(6).reshape(2, 3)}, {"uid": ["a", "b"]})
 
 
-def test_listed_step_is_served_from_cache_the_second_time(dump_dir):
-    compute, runs = counted()
+def test_other_responses_at_a_cached_step_are_scored_again_and_replace_the_entry(tmp_path):
+    SkipManager.init(run_config(tmp_path, role="reward", steps=[1]))  # its default on_prompt_mismatch
+    scorer = Scorer()
     SkipManager.set_step(1)
-
-    first = compute(make_prompts())
+    scorer.compute(responses())
     SkipManager.flush()
-    second = compute(make_prompts())
-
-    assert len(runs) == 1
-    assert second.equals(first)
-
-
-def test_unlisted_step_runs_every_time_and_caches_nothing(dump_dir):
-    compute, runs = counted()
-    SkipManager.set_step(2)
-
-    compute(make_prompts())
-    SkipManager.flush()
-    compute(make_prompts())
-    SkipManager.flush()
-
-    assert len(runs) == 2
-    assert list(scan(dump_dir)) == []
-
-
-def test_a_score_is_never_replayed_for_other_responses(tmp_path):
-    """The entry's fingerprint covers the responses: other responses at a cached step are scored
-    again, and the role refuses the warn-and-load that other roles allow."""
-    SkipManager.init({"skip": {ROLE: {"enable": True, "dump_dir": str(tmp_path), "steps": [1]}}})
-    compute, runs = counted()
-    SkipManager.set_step(1)
-    compute(make_prompts())
-    SkipManager.flush()
-    other = make_prompts()
+    other = responses()
     other.batch["input_ids"][0, -1] += 1  # another response to the same prompt
-    rescored = compute(other)
-    assert len(runs) == 2 and rescored.batch["scores"][0].item() == other.batch["input_ids"][0].sum().item()
-    with pytest.raises(ConfigError, match="on_prompt_mismatch"):
-        SkipManager.init({"skip": {ROLE: {"enable": True, "dump_dir": str(tmp_path), "on_prompt_mismatch": "warn"}}})
+
+    rescored = scorer.compute(other)
+    SkipManager.flush()
+
+    assert scorer.runs == 2 and torch.equal(rescored.batch["scores"][:, 0], other.batch["input_ids"].sum(-1).float())
+    assert scorer.compute(other).equals(rescored) and scorer.runs == 2
+
+
+def test_loading_the_score_of_other_responses_with_a_warning_is_refused(tmp_path):
+    with pytest.raises(ConfigError) as raised:
+        SkipManager.init(run_config(tmp_path, role="reward", on_prompt_mismatch="warn"))
+    assert str(raised.value) == "skip.reward.on_prompt_mismatch: expected 'regenerate' or 'error', got 'warn'"

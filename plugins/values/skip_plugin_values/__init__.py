@@ -1,6 +1,4 @@
-"""Role ``values`` for skip.
-
-skip role 'values': replay the critic's values on chosen trainer steps
+"""Role ``values``: replay the critic's values on chosen trainer steps.
 
 Decorate the function whose result the role caches with
 ``@SkipManager.annotate(role="values")`` and call ``SkipManager.set_step`` each
