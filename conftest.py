@@ -183,7 +183,9 @@ def ray_session():
     # Ray starts its workers at nice 15: beside any other busy process they would get a
     # thirtieth of a CPU, and the suite's runs would slow down 30-fold on a loaded machine.
     system = {"worker_niceness": 0}
-    os.environ.setdefault("RAY_AUTH_MODE", "token")  # as skip run asks for it: Ray's default, without its warning
+    from skip_plugin_trainer.train.workers import quiet_local_ray
+
+    quiet_local_ray()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env, _system_config=system)
     yield
     ray.shutdown()

@@ -8,6 +8,7 @@ assumes one machine: with ``RAY_ADDRESS`` set, the bundles land wherever the clu
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -30,6 +31,12 @@ from skip_plugin_trainer.train.policy import Policy
 
 POOL_TIMEOUT_S = 60
 STREAMED_PER_WORKER = 256
+
+
+def quiet_local_ray() -> None:
+    """A new local Ray turns token authentication on (RAY_AUTH_MODE unset) and warns that it did,
+    at every start, with nothing for the user to do: that logger keeps only its errors."""
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
 
 
 class Cluster:
@@ -56,9 +63,7 @@ class Cluster:
             # the run's work, and at 15 beside any other busy process they get a sliver of a CPU.
             local = {"num_cpus": resources.num_cpus, "_system_config": {"worker_niceness": 0}}
             if not address:
-                # A new local Ray turns token authentication on when RAY_AUTH_MODE is unset, and warns
-                # that it did at every start: asking for it by name keeps it on, without the warning.
-                os.environ.setdefault("RAY_AUTH_MODE", "token")
+                quiet_local_ray()
             ray.init(**({"address": address} if address else local), include_dashboard=False, log_to_driver=True)
         rollout_pool, actor_pool = resources.rollout, resources.actor
         pools = [
