@@ -2,26 +2,31 @@
 dependencies on the CPU torch wheel, and skip installed beside it the way the README says
 (``pip install``, not editable: the ``.pth`` start-up hook is part of what is tested).
 
-pip takes about two minutes to build that venv (verl, TransferQueue), in a temporary directory removed afterwards;
-``SKIP_VERL_VENV=DIR`` keeps one between sessions instead (built on first use). skip's
-distributions and a role rendered from ``plugin_template/`` are installed from this checkout
-every session. The build does not overlap other tests: running beside the suite, its disk
-writes made a timing-sensitive fully_async test fail.
+pip takes minutes to build that venv (verl, TransferQueue), so it is built once and kept
+between sessions in the user's cache (``$XDG_CACHE_HOME``, else ``~/.cache``:
+``skip-tests/verl-<key>``), keyed by what goes into it: the requirements, ``constraints.txt``
+and the Python version. A venv is used only once complete (its ``.complete`` marker is written
+last, under a lock two sessions share), so an interrupted build is rebuilt. ``SKIP_VERL_VENV=DIR``
+names another directory. skip's distributions and a role rendered from ``plugin_template/``
+are installed from this checkout every session, over those of the last one. The build does not
+overlap other tests: running beside the suite, its disk writes made a timing-sensitive
+fully_async test fail.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from xml.etree import ElementTree
 
 import copier
 import pytest
+import tomllib
 from skiptests import ROOT
 
 pytestmark = pytest.mark.slow
@@ -47,17 +52,30 @@ def run(*command: str | Path, timeout: int = 900) -> None:
     assert done.returncode == 0, f"{command} exited {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
 
 
+REQUIREMENTS = ("torch==2.13.0", VERL, TRANSFER_QUEUE, *UNDECLARED, "pytest", "setuptools>=70.1")
+
+
+def _cached_venv() -> Path:
+    key = hashlib.sha256(
+        "\n".join([*REQUIREMENTS, (ROOT / "constraints.txt").read_text(), sys.version]).encode()
+    ).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "skip-tests"
+    return cache / f"verl-{key}"
+
+
 @pytest.fixture(scope="module")
-def verl_venv() -> Iterator[Path]:
-    """A venv with verl 0.9.1: kept in ``$SKIP_VERL_VENV``, or built for this module and removed."""
-    kept = os.environ.get("SKIP_VERL_VENV")
-    with tempfile.TemporaryDirectory(prefix="skip-verl-venv-") as scratch:
-        home = Path(kept).absolute() if kept else Path(scratch) / "verl"
-        if not (home / "bin" / "python").exists():
+def verl_venv() -> Path:
+    """A venv with verl 0.9.1: ``$SKIP_VERL_VENV``, or the one kept in the user's cache."""
+    home = Path(os.environ.get("SKIP_VERL_VENV") or _cached_venv()).absolute()
+    home.parent.mkdir(parents=True, exist_ok=True)
+    with open(home.parent / f"{home.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another session building it: wait for its venv
+        if not (home / ".complete").exists():
+            shutil.rmtree(home, ignore_errors=True)  # what an interrupted build left
             run(sys.executable, "-m", "venv", home)
-            requirements = ("torch==2.13.0", VERL, TRANSFER_QUEUE, *UNDECLARED, "pytest", "setuptools>=70.1")
-            run(home / "bin" / "python", *PIP, "-c", ROOT / "constraints.txt", *requirements)
-        yield home
+            run(home / "bin" / "python", *PIP, "-c", ROOT / "constraints.txt", *REQUIREMENTS)
+            (home / ".complete").write_text(" ".join(REQUIREMENTS) + "\n")
+    return home
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +88,9 @@ def verl_python(verl_venv, tmp_path_factory) -> Path:
     copies = [shutil.copytree(ROOT / folder, sources / folder, ignore=ignore) for folder in DISTRIBUTIONS]
     answers = {"plugin_name": TEMPLATE_ROLE, "author_name": "Test"}
     role = copier.run_copy(str(ROOT / "plugin_template"), sources / "role", data=answers, defaults=True, quiet=True)
+    # Same version as last session's: pip would keep those, so they go first.
+    installed = [tomllib.loads((copy / "pyproject.toml").read_text())["project"]["name"] for copy in copies]
+    run(python, "-m", "pip", "uninstall", "--quiet", "-y", *installed, f"skip-plugin-{TEMPLATE_ROLE}")
     run(python, *PIP, "--no-build-isolation", "-c", ROOT / "constraints.txt", *copies, role.dst_path)
     return python
 
