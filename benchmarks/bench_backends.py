@@ -43,7 +43,7 @@ from skip_core.backend import create_backend, one_bucket
 from skip_core.batch import Batch
 from skip_core.sections import Sections
 from skip_plugin_arithmetic.task import ArithmeticOptions, ArithmeticTask, problems, prompt
-from skip_plugin_hf.config import HFConfig
+from skip_plugin_hf.options import HFOptions
 from skip_plugin_sglang.options import SGLangOptions
 from skip_plugin_trainer.rollout.agent_loop import AgentLoop
 from skip_plugin_trainer.run_sections import LoopConfig
@@ -84,7 +84,7 @@ def build_half_billion(directory: Path, tokenizer_dir: Path) -> Path:
 ENGINES = Sections(
     VLLMOptions(dtype="float32", max_model_len=1024, enforce_eager=True, cpu_kvcache_space_gb=2),
     SGLangOptions(dtype="float32", context_length=1024),
-    HFConfig(device="cpu", max_batch_size=256),
+    HFOptions(device="cpu", max_batch_size=256),
 )
 
 

@@ -42,7 +42,7 @@ import torch
 import transformers
 from skip_core.backend import SamplingParams
 from skip_plugin_hf.engine import HFBackend
-from skip_plugin_hf.options import HFOptions
+from skip_plugin_hf.resolved import Resolved
 
 PARAMS = {"temperature": 1.0, "top_k": -1, "top_p": 1.0}
 
@@ -163,7 +163,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="bench-hf-") as scratch:
         model_dir = args.model_dir or build_model(Path(scratch))
-        options = HFOptions(model_dir, torch.device("cpu"), torch.float32, max_batch_size=args.requests)
+        options = Resolved(model_dir, torch.device("cpu"), torch.float32, max_batch_size=args.requests)
         continuous = HFBackend(options)
         # The multi-turn table gives each backend room for a quarter of the requests: more work
         # than fits one batch, as when a rollout worker serves more requests than it batches.

@@ -28,9 +28,10 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from skip_core.schedule import GEN, STEP, WEIGHT_SYNC
 
-PHASES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "step")
-SHARDED = ("gen", "old_log_prob", "update_actor", "update_weights", "step")  # what --actor-workers compares
+PHASES = (GEN, "reward", "old_log_prob", "ref", "adv", "update_actor", WEIGHT_SYNC, STEP)
+SHARDED = (GEN, "old_log_prob", "update_actor", WEIGHT_SYNC, STEP)  # what --actor-workers compares
 
 
 def train(directory: Path, task_dir: Path, steps: int, extra: list[str]) -> list[dict]:
@@ -87,7 +88,7 @@ def sharded(args: argparse.Namespace) -> None:
             for n in workers
         ]
         ratios = [f"{medians[n] / medians[base]:.2f}x" if medians[base] > 0 else "-" for n in workers[1:]]
-        table.add_row("gen (cache load)" if phase == "gen" else phase, *cells, *ratios)
+        table.add_row("gen (cache load)" if phase == GEN else phase, *cells, *ratios)
     Console().print(table)
 
 

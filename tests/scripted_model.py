@@ -12,7 +12,7 @@ import functools
 import json
 
 from skip_core import Batch, hookimpl
-from skip_core.backend import Generation, RolloutBackend
+from skip_core.backend import Backend, Generation, RolloutBackend, find_backend
 
 
 def call(expression: str) -> str:
@@ -205,34 +205,33 @@ async def _enumerate(items):
         index += 1
 
 
-class HeldFactory:
-    """A backend's factory (and its driver-side check), wrapped: takes whatever arguments it takes."""
+class Held(Backend):
+    """A registered backend, its engine wrapped: ``held_hf`` reads ``rollout.hf`` and checks as ``hf`` does."""
 
-    def __init__(self, backend: str, wrapper: type = HeldUntilPaused) -> None:
-        self.backend, self.wrapper = backend, wrapper
+    section = None  # it reads the wrapped backend's
 
-    def _factory(self):
-        from skip_core.plugins import registry
+    def __init__(self, name: str, backend: str, wrapper: type = HeldUntilPaused) -> None:
+        self.name, self.backend, self.wrapper = name, backend, wrapper
 
-        return registry().backends[self.backend]
+    @property
+    def Options(self):  # the wrapped backend's
+        return find_backend(self.backend).Options
 
-    def check(self, *args, **kwargs):
-        check = getattr(self._factory(), "check", None)
-        if check is not None:
-            check(*args, **kwargs)
+    def check(self, options):
+        find_backend(self.backend).check(options)
 
-    def __call__(self, *args, **kwargs):
-        return self.wrapper(self._factory()(*args, **kwargs))
+    def build(self, options, model_dir):
+        return self.wrapper(find_backend(self.backend).build(options, model_dir))
 
 
 class _HeldPlugin:
     @hookimpl
     def skip_register_backends(self, register):
-        register(HELD, HeldFactory("hf"))
+        register(Held(HELD, "hf"))
         for engine in ENGINES:
-            register(f"held_{engine}", HeldFactory(engine))
-        register(DYING, HeldFactory("hf", DiesAfterSyncs))
-        register(DYING_IN_SYNC, HeldFactory("hf", functools.partial(DiesAfterSyncs, syncs=0, in_sync=True)))
+            register(Held(f"held_{engine}", engine))
+        register(Held(DYING, "hf", DiesAfterSyncs))
+        register(Held(DYING_IN_SYNC, "hf", functools.partial(DiesAfterSyncs, syncs=0, in_sync=True)))
 
 
 def register_held_backend() -> None:

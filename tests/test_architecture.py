@@ -70,10 +70,14 @@ def test_core_is_small():
     # drive an enabled role itself (``SkipManager.active``: verl's TransferQueue role, issue 36),
     # 3820 since a trainer activates the manager with the settings it validated once
     # (``SkipManager.activate``, ``parse_roles``, ``Setup`` from typed values: issue 37),
-    # 3821 since ``skip diff`` is a shipped command whose plugin the core names (issue 39);
-    # a bound still, so that growth is a decision.
+    # 3821 since ``skip diff`` is a shipped command whose plugin the core names (issue 39),
+    # 3929 since a rollout backend is one declaration (``Backend``: its options and section with
+    # it), the guards every engine repeated are core's (``GuardedBackend``) and the registry is
+    # computed once per set of plugins, and 3957 since the schedule contract names its words:
+    # the ``meta_info`` keys the parties share and the phases a step is timed in, 3963 since a
+    # stopped loop thread closes its loop (issue 40); a bound still, so that growth is a decision.
     lines = sum(len(path.read_text().splitlines()) for path in modules("core").values())
-    assert lines <= 3821, f"skip-core has {lines} lines"
+    assert lines <= 3963, f"skip-core has {lines} lines"
 
 
 def test_core_imports_no_plugin_even_by_name():

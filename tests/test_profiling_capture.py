@@ -21,6 +21,7 @@ from skip_core import encoding, spans
 from skip_core.cli import cli
 from skip_core.config import ConfigError
 from skip_core.plugins import registry
+from skip_core.schedule import GEN, STEP, WEIGHT_SYNC
 from skip_core.sections import parse_sections
 from skip_core.store import scan
 from skip_plugin_profiling.recorder import ProfilingWarning, Recorder
@@ -108,7 +109,7 @@ def test_a_training_run_profiles_the_driver_and_every_rollout_worker(ray_session
 
     driver = lines(step / "worker_-1.jsonl")
     events = Counter(row["event"] for row in driver)
-    for phase in ("step", "gen", "reward", "old_log_prob", "adv", "update_actor", "update_weights", "testing"):
+    for phase in (STEP, GEN, "reward", "old_log_prob", "adv", "update_actor", WEIGHT_SYNC, "testing"):
         assert events[f"trainer/{phase}"] == 1, phase
     assert sorted(row["workid"] for row in driver if row["event"] == "barrier_wait") == [0, 1]
     assert min(row["duration_sec"] for row in driver if row["event"] == "barrier_wait") == 0.0  # the slowest

@@ -49,6 +49,16 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def undeclared_phases(trainer, rows: list[dict]) -> set[str]:
+    """The phases ``rows`` time (``timing_s/<phase>``) that neither the run's schedule (its
+    ``phases`` and ``background``) nor the trainer declares: none, by the trainer-schedule contract."""
+    from skip_core.schedule import STEP
+    from skip_plugin_trainer.train.trainer import stacked_phases
+
+    timed = {key.removeprefix("timing_s/") for row in rows for key in row if key.startswith("timing_s/")}
+    return timed - {STEP, *stacked_phases(trainer.schedule), *trainer.schedule.background}
+
+
 def command(task_dir, tmp_path, *more):
     exe = Path(sys.executable).parent / "skip"
     return [str(exe), "run", "--config-dir", str(CONFIGS), *overrides(task_dir, tmp_path, *more)]

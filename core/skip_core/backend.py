@@ -1,6 +1,7 @@
 """The rollout backend interface: an async, per-request generation engine.
 
-Backends register through ``skip_register_backends``; ``rollout.backend=<name>`` picks one.
+A plugin declares a backend as one ``Backend`` (its name, options and config section) and
+registers it through ``skip_register_backends``; ``rollout.backend=<name>`` picks one.
 The agent loop sends one request per turn, many at once; a backend batches them itself.
 
 Cancelling the task awaiting ``generate`` aborts that request: the agent loop relies on it
@@ -12,11 +13,16 @@ cannot says so when they are called.
 
 from __future__ import annotations
 
+import itertools
+import logging
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel
 
 from skip_core.config import ConfigError, lookup
 
@@ -107,24 +113,106 @@ class RolloutBackend(ABC):
         return {}
 
 
-def create_backend(name: str, sections: Any, model_dir: Path) -> RolloutBackend:
-    """Build the backend named by ``rollout.backend`` on ``model_dir``, with the options it reads
-    from ``sections`` (the run's validated ``skip_core.sections.Sections``)."""
-    from skip_core.plugins import registry
+class GuardedBackend(RolloutBackend):
+    """What every engine checks alike: no call after ``shutdown`` (which runs once), no empty
+    prompt, an engine's error named by its request, and one warning where sleep does nothing,
+    logged by the module of the backend. ``label`` names the backend in its messages."""
 
-    return backend_factory(name, registry().backends)(sections, model_dir)
+    label: str
+
+    def __init__(self) -> None:
+        self._closed = False
+        self._calls = itertools.count()
+        self._said_no_sleep = False
+
+    def _admit(self, prompt_ids: Sequence[int], request_id: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self.label} backend: request {request_id!r} after shutdown()")
+        if not prompt_ids:
+            raise ValueError(f"{self.label} backend: request {request_id!r} has an empty prompt")
+
+    def _refuse_if_closed(self, call: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self.label} backend: {call} after shutdown()")
+
+    def _engine_id(self, request_id: str) -> str:
+        """An id no other engine call has: engines refuse a repeated one, and a request's turns share ours."""
+        return f"{request_id}-{next(self._calls)}"
+
+    @contextmanager
+    def _errors_of(self, request_id: str) -> Iterator[None]:
+        try:
+            yield
+        except Exception as exc:  # not a cancellation: that aborts the engine's request and passes as it is
+            raise RuntimeError(f"{self.label} backend: request {request_id!r}: {exc}") from exc
+
+    def _finish_reason(self, reason: Any, request_id: str) -> FinishReason:
+        if reason not in ("stop", "length", "abort"):
+            raise RuntimeError(f"{self.label} backend: request {request_id!r} finished with {reason!r}")
+        return reason
+
+    def _sleeps(self, able: bool, why: str) -> bool:
+        if not able and not self._said_no_sleep:
+            self._said_no_sleep = True
+            log = logging.getLogger(type(self).__module__)
+            log.warning(f"{self.label} backend: {why}; sleep() and wake_up() do nothing")
+        return able
+
+    async def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await self._close()
+
+    @abstractmethod
+    async def _close(self) -> None:
+        """Stop the engine, once, with new calls already refused; what is in flight ends with ``abort``."""
 
 
-def backend_factory(name: str, installed: Mapping[str, Callable]) -> Callable:
-    """The factory of the backend named by ``rollout.backend``, or a ConfigError naming what is installed."""
+OptionsT = TypeVar("OptionsT", bound=BaseModel)
+
+
+class Backend(ABC, Generic[OptionsT]):
+    """A rollout backend as a plugin declares it, in one object (as llm's models carry their
+    ``Options``): ``register(MyBackend())`` in ``skip_register_backends`` makes ``name`` a choice
+    of ``rollout.backend`` and declares ``Options`` as the config section ``section``. A backend
+    that reads another's options (a wrapper) sets ``section = None`` and that backend's ``Options``.
+    """
+
+    name: str
+    section: str | None
+    Options: type[OptionsT]
+
+    def check(self, options: OptionsT) -> None:
+        """Refuse in one line naming the key what would fail in a worker (no engine installed,
+        no device): runs in the driver before any worker starts or the model exists."""
+
+    @abstractmethod
+    def build(self, options: OptionsT, model_dir: Path) -> RolloutBackend:
+        """The engine on the model in ``model_dir``, in a rollout worker. Import the engine here:
+        ``skip plugins`` and the driver's check must not pay for it."""
+
+
+def find_backend(name: str, installed: Mapping[str, Backend] | None = None) -> Backend:
+    """The backend named by ``rollout.backend`` (among the registered ones unless ``installed``),
+    or a ConfigError naming what is installed."""
+    if installed is None:
+        from skip_core.plugins import registry
+
+        installed = registry().backends
     return lookup("rollout.backend", "backend", name, installed)
 
 
-def check_backend(name: str, sections: Any, installed: Mapping[str, Callable]) -> None:
+def check_backend(name: str, sections: Any, installed: Mapping[str, Backend] | None = None) -> None:
     """Fail before any worker starts on an unknown backend, bad options or a missing device."""
-    check = getattr(backend_factory(name, installed), "check", None)
-    if check is not None:
-        check(sections)
+    backend = find_backend(name, installed)
+    backend.check(sections[backend.Options])
+
+
+def create_backend(name: str, sections: Any, model_dir: Path) -> RolloutBackend:
+    """Build the backend named by ``rollout.backend`` on ``model_dir``, with its options from
+    ``sections`` (the run's validated ``skip_core.sections.Sections``)."""
+    backend = find_backend(name)
+    return backend.build(sections[backend.Options], model_dir)
 
 
 def local_model_dir(path: Any) -> Path:

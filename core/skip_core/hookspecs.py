@@ -53,12 +53,12 @@ def skip_register_sections(register):
 
 @hookspec
 def skip_register_backends(register):
-    """Register rollout backends: call ``register(name, factory)``.
+    """Register rollout backends: call ``register(backend)`` with a ``skip_core.backend.Backend``.
 
-    ``factory(sections, model_dir) -> skip_core.backend.RolloutBackend`` builds an engine on the
-    model in ``model_dir`` with the options of its declared section; ``rollout.backend=<name>``
-    selects it. A factory with a ``check(sections)`` method gets it called in the driver first
-    (``check_backend``), before any worker starts or the model exists.
+    The one object declares the backend: its ``name`` (``rollout.backend=<name>`` selects it), its
+    options model ``Options``, registered as the config section ``section`` with it, ``check``
+    (run in the driver before any worker starts or the model exists) and ``build``, which starts
+    the engine on the model in a worker.
     """
 
 

@@ -22,7 +22,13 @@ class LoopThread:
     def __init__(self, name: str) -> None:
         self.loop = asyncio.new_event_loop()
         self.stopped = False
-        threading.Thread(target=self.loop.run_forever, name=name, daemon=True).start()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self.loop.run_forever()
+        finally:  # stopped: its selector and pipes go now, not with a ResourceWarning at exit
+            self.loop.close()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         """Start ``coro`` on this loop and return at once, from any thread."""

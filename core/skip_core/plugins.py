@@ -5,8 +5,8 @@ string loads none. Core's own defaults (the ``cache``/``repeat`` actions) always
 
 Registration hooks are every hook named ``skip_register_<kind>(register)``: core's own
 (roles, backends, schedules) and those a plugin adds with ``skip_add_hookspecs`` (the
-trainer adds tools, tool parsers, tasks and rewards). ``registry()`` calls them all and
-remembers which plugin registered each name.
+trainer adds tools, tool parsers, tasks and rewards). ``registry()`` calls them all once per
+set of registered plugins and remembers which plugin registered each name.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ REGISTER = "skip_register_"
 # plugin name -> (distribution, version)
 _distributions: dict[str, tuple[str, str]] = {}
 _loaded = False
+# (the plugins it was computed from, the registry): computed again when they change
+_computed: tuple[list[tuple[str, Any]], Registry] | None = None
 
 
 def _normalize(name: str) -> str:
@@ -91,10 +93,29 @@ class Registry:
 
 
 def registry(strict: bool = True) -> Registry:
-    """Call every registration hook, attributing each registered name to its plugin. Two plugins
+    """What every registration hook registers, attributing each name to its plugin; computed once
+    while the registered plugins stay the same (shared: read it, never change it). Two plugins
     registering one name raise ``PluginConflict`` naming both and how to choose; ``strict=False``
     returns the registry with the first of them kept (``skip plugins`` lists it, then fails)."""
+    global _computed
     load_plugins()
+    plugins = pm.list_name_plugin()
+    if _computed is None or not _same(plugins, _computed[0]):
+        _computed = (plugins, _collect())
+    reg = _computed[1]
+    if strict and reg.conflicts:
+        raise PluginConflict(
+            reg.conflicts[0] + (f" (and {len(reg.conflicts) - 1} more)" if len(reg.conflicts) > 1 else "")
+        )
+    return reg
+
+
+def _same(plugins: list[tuple[str, Any]], before: list[tuple[str, Any]]) -> bool:
+    # By identity (``before`` holds its plugins, so no id is reused): a fresh plugin object counts.
+    return [(n, id(p)) for n, p in plugins] == [(n, id(p)) for n, p in before]
+
+
+def _collect() -> Registry:
     reg = Registry()
     for hook_name in sorted(vars(pm.hook)):
         hook = getattr(pm.hook, hook_name)
@@ -104,15 +125,11 @@ def registry(strict: bool = True) -> Registry:
         reg.kinds.setdefault(kind, {})
         for impl in hook.get_hookimpls():
             impl.function(register=_registrar(reg, kind, impl.plugin_name))
-    if strict and reg.conflicts:
-        raise PluginConflict(
-            reg.conflicts[0] + (f" (and {len(reg.conflicts) - 1} more)" if len(reg.conflicts) > 1 else "")
-        )
     return reg
 
 
 def _registrar(reg: Registry, kind: str, plugin: str) -> Callable:
-    table = reg.kinds[kind]
+    table = reg.kinds.setdefault(kind, {})
 
     def register(item: Any, factory: Callable | None = None) -> None:
         name = item.name if factory is None else item
@@ -125,6 +142,8 @@ def _registrar(reg: Registry, kind: str, plugin: str) -> Callable:
             return
         table[name] = item if factory is None else factory
         reg.provider[(kind, name)] = plugin
+        if kind == "backends" and item.section is not None:  # a backend declares its options' section
+            _registrar(reg, "sections", plugin)(item.section, item.Options)
 
     return register
 

@@ -7,6 +7,7 @@ async) are written against the same few typed operations; ``generate`` returns a
 so a schedule can train while a generation runs.
 
 Schedules register through ``skip_register_schedules`` and ``trainer.schedule=<name>`` picks one.
+Its words are named below: the ``meta_info`` keys the parties share, the phases a step is timed in.
 """
 
 from __future__ import annotations
@@ -20,6 +21,29 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from skip_core import spans
+
+#: ``meta_info`` keys. The trainer step of a generation (verl's name): the trainer writes it, the rollout seeds
+#: and names samples by it.
+GLOBAL_STEPS = "global_steps"
+#: On validation prompts (verl's name), by the trainer: the core's roles let them through, the rollout samples
+#: them with its validation settings.
+VALIDATE = "validate"
+#: The batch row of the prompts' first, by a streaming schedule or the trainer: the rollout seeds and names row
+#: ``i`` as row ``index_base + i``, however the batch was cut.
+INDEX_BASE = "index_base"
+#: By ``Run.prompts``: a streaming schedule reads the epoch and the loader's state before the batch (sample ids,
+#: resume points), ``Run.generate`` takes the state after it for the step's checkpoint.
+EPOCH, LOADER_STATE_BEFORE, LOADER_STATE = "epoch", "loader_state_before", "loader_state"
+#: By ``Run.generate`` on its result, the generation's own seconds: a schedule overlapping it may record them.
+GENERATE_S = "generate_s"
+
+#: Phases (``timing_s/<phase>``, the span ``trainer/<phase>``). The whole step, which ``Run.step`` times.
+STEP = "step"
+#: A step's wait for its batch and its weight push (``Run.sync_weights``): the schedule times both, under these
+#: names whichever schedule it is.
+GEN, WEIGHT_SYNC = "gen", "sync_weights"
+#: What ``Run.train`` times, in its order; one the settings leave out (``ref`` without a reference model) is not.
+TRAIN_PHASES = ("reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
 
 
 @dataclass
@@ -62,14 +86,13 @@ class Run(Protocol):
         """The training steps still to run: after the last checkpoint, up to the run's total."""
 
     def step(self, step: int) -> AbstractContextManager[StepRecord]:
-        """The context of one training step: timed as ``step``; on a normal exit a checkpoint is
+        """The context of one training step: timed as ``STEP``; on a normal exit a checkpoint is
         saved when due, the record is logged and the step counts as done (a resumed run starts
         after it)."""
 
     def prompts(self) -> Any:
-        """The next batch of training prompts; epochs follow each other without a gap. Its
-        ``meta_info`` says the ``epoch`` and the loader's state before and after drawing it
-        (``loader_state_before``, ``loader_state``)."""
+        """The next batch of training prompts (``meta_info``: ``EPOCH``, ``LOADER_STATE[_BEFORE]``);
+        epochs follow each other without a gap."""
 
     def resume_state(self) -> dict | None:
         """The ``schedule_state`` saved with the checkpoint this run resumed from, if any."""
@@ -77,14 +100,13 @@ class Run(Protocol):
     def generate(self, prompts: Any, step: int, sample_id: str | None = None) -> Future:
         """Start rolling out ``prompts`` for training step ``step`` with the rollout engines' current
         weights; return at once. The future's result is the batch of prompts and samples (each
-        with the ``min_weight_version``/``max_weight_version`` that generated it), its
-        ``meta_info["generate_s"]`` the generation's own seconds. Skip roles see ``step`` as its
-        trainer step; with ``sample_id`` (``sample_{epoch}_{index}``) ``prompts`` is one streamed
-        prompt, the call skip's ``async_rollout`` role wraps."""
+        with the ``min_weight_version``/``max_weight_version`` that generated it; ``meta_info``:
+        ``GENERATE_S``). Skip roles see ``step`` as its trainer step; with ``sample_id``
+        (``sample_{epoch}_{index}``) ``prompts`` is one streamed prompt, the call skip's
+        ``async_rollout`` role wraps."""
 
     def train(self, batch: Any, record: StepRecord) -> None:
-        """Reward, old log-probs, reference log-probs, advantages and the actor update on
-        ``batch``, each phase timed in ``record``."""
+        """``TRAIN_PHASES`` on ``batch``, from the reward to the actor update, each timed in ``record``."""
 
     def sync_weights(self, interrupt: bool = False) -> None:
         """Push the actor's weights to the rollout engines; the generations started afterwards use
@@ -106,6 +128,10 @@ class Schedule(ABC):
     #: Whether it generates prompt by prompt (``Run.generate`` with a ``sample_id``, skip's
     #: ``async_rollout`` role) rather than a batch per step (the ``rollout`` role).
     streams: bool = False
+    #: The phases it times itself (``StepRecord.timed``), in the order a step runs them.
+    phases: tuple[str, ...] = ()
+    #: Phases it records that ran beside the step, not in it (one step off's next generation).
+    background: tuple[str, ...] = ()
 
     @abstractmethod
     def fit(self, run: Run) -> None:

@@ -2,10 +2,11 @@
 
 A plugin declares a section through ``skip_register_sections``: ``register("async_training",
 AsyncTraining)``, a dotted key and the pydantic model of what may stand there, as llm's model
-plugins declare their ``Options``. ``parse_sections`` validates every declared section of a run
-config in one pass, with core's one-line errors; a plugin then reads ``sections[AsyncTraining]``
-and never the raw config. The same models give Hydra its defaults (``skip_core.hydra_defaults``),
-so the keys a command-line override may name and the keys a model accepts are one list.
+plugins declare their ``Options`` (a rollout ``Backend`` declares its own). ``parse_sections``
+validates every declared section of a run config in one pass, with core's one-line errors; a
+plugin then reads ``sections[AsyncTraining]`` and never the raw config. The same models give
+Hydra its defaults (``skip_core.hydra_defaults``), so the keys a command-line override may name
+and the keys a model accepts are one list.
 
 A section may sit inside another (``rollout.hf`` inside the trainer's ``rollout``): each model
 sees only its own keys, and a mapping between them (``rollout.engine_kwargs``) may hold only
@@ -38,7 +39,7 @@ M = TypeVar("M", bound=BaseModel)
 class Sections:
     """The validated sections of one run config: ``sections[Model]`` is that model's section.
 
-    ``Sections(HFConfig(device="cpu"), ...)`` builds one by hand, for a test or a benchmark.
+    ``Sections(HFOptions(device="cpu"), ...)`` builds one by hand, for a test or a benchmark.
     """
 
     def __init__(self, *values: BaseModel) -> None:

@@ -56,7 +56,7 @@ def test_the_trainer_arithmetic_and_hf_provide_the_embedded_default():
     trainer, arithmetic = provides["skip-plugin-trainer"], provides["skip-plugin-arithmetic"]
     assert (trainer["schedules"], trainer["tool_parsers"], trainer["rewards"]) == (["sync"], ["hermes"], ["task"])
     assert (arithmetic["tools"], arithmetic["tasks"]) == (["calculator"], ["arithmetic"])
-    assert provides["skip-plugin-hf"]["backends"] == ["hf"]
+    assert provides["skip-plugin-hf"] == {"backends": ["hf"], "sections": ["rollout.hf"]}
     assert "skip-core" not in provides  # core provides hooks' defaults, not named things
 
 
@@ -93,17 +93,28 @@ def test_a_separately_installed_distribution_provides_a_role(tmp_path):
     assert ["skip-plugin-scores", ["scores"]] in loaded(site=tmp_path)["rows"]
 
 
-def test_backends_and_schedules_register_by_name_with_a_factory(tmp_path):
+def test_a_backend_is_one_declaration_that_registers_its_section_and_schedules_register_by_name(tmp_path):
     install_distribution(
         tmp_path,
         "skip-plugin-engines",
         "skip_plugin_engines",
         """
+        from pydantic import BaseModel
         from skip_core import hookimpl
+        from skip_core.backend import Backend
+
+        class ToyOptions(BaseModel):
+            size: int = 1
+
+        class Toy(Backend):
+            name, section, Options = "toy", "rollout.engine_kwargs.toy", ToyOptions
+
+            def build(self, options, model_dir):
+                raise NotImplementedError
 
         @hookimpl
         def skip_register_backends(register):
-            register("toy", lambda config: None)
+            register(Toy())
 
         @hookimpl
         def skip_register_schedules(register):
@@ -112,6 +123,7 @@ def test_backends_and_schedules_register_by_name_with_a_factory(tmp_path):
     )
     provides = loaded(site=tmp_path)["provides"]["skip-plugin-engines"]
     assert (provides["backends"], provides["schedules"]) == (["toy"], ["toy_async"])
+    assert provides["sections"] == ["rollout.engine_kwargs.toy"]
 
 
 def test_two_plugins_registering_one_role_is_an_error(tmp_path):

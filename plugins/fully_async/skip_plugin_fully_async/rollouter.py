@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from skip_core.schedule import Run
+from skip_core.schedule import EPOCH, INDEX_BASE, LOADER_STATE_BEFORE, Run
 
 
 @dataclass
@@ -135,8 +135,8 @@ class Rollouter:
             number = self._next_batch
             self._next_batch += 1
             self.fed.first_index[number], self.fed.size[number] = self._next_index, len(batch)
-            self.fed.state_before[number] = batch.meta_info["loader_state_before"]
-            epoch = batch.meta_info["epoch"]
+            self.fed.state_before[number] = batch.meta_info[LOADER_STATE_BEFORE]
+            epoch = batch.meta_info[EPOCH]
             for row in range(len(batch)):
                 index = self._next_index
                 self._next_index += 1
@@ -147,5 +147,5 @@ class Rollouter:
                 fed += 1
                 sample = batch[row : row + 1]
                 # Seeded and named as the row of its whole batch would be: staleness 0 equals sync.
-                sample.meta_info = {"index_base": row}
+                sample.meta_info = {INDEX_BASE: row}
                 yield index, number, sample, f"sample_{epoch}_{index}"

@@ -18,7 +18,7 @@ import time
 import numpy as np
 from pydantic import BaseModel, ConfigDict, NonNegativeFloat, PositiveInt
 from skip_core.batch import Batch
-from skip_core.schedule import Run, Schedule, StepRecord
+from skip_core.schedule import GEN, WEIGHT_SYNC, Run, Schedule, StepRecord
 
 from skip_plugin_fully_async.rollouter import Rollouter
 
@@ -37,6 +37,7 @@ class AsyncTraining(BaseModel):
 class FullyAsync(Schedule):
     overlapped = True
     streams = True
+    phases = (GEN, WEIGHT_SYNC)
 
     def __init__(self, settings: AsyncTraining) -> None:
         self.settings = settings
@@ -61,7 +62,7 @@ class FullyAsync(Schedule):
             for step in steps:
                 with run.step(step) as record:
                     started = time.perf_counter()
-                    with record.timed("gen"):  # the trainer's wait for samples
+                    with record.timed(GEN):  # the trainer's wait for samples
                         samples = rollouter.take(required)
                     batch = self._batch(samples)
                     run.train(batch, record)
@@ -82,7 +83,7 @@ class FullyAsync(Schedule):
         Validation needs the latest weights there: with partial rollout it pauses the samples
         in flight instead of waiting for them."""
         if sync:
-            with record.timed("param_sync"):
+            with record.timed(WEIGHT_SYNC):  # verl's param_sync
                 if self.settings.partial_rollout:
                     run.sync_weights(interrupt=True)
                 else:
@@ -110,7 +111,7 @@ class FullyAsync(Schedule):
                 "fully_async/partial/max_partial_span": float(
                     np.max(extras["max_weight_version"] - extras["min_weight_version"])
                 ),
-                "trainer/idle_ratio": record.timing["gen"] / elapsed if elapsed > 0 else 0.0,
+                "trainer/idle_ratio": record.timing[GEN] / elapsed if elapsed > 0 else 0.0,
                 "fully_async/rollouter/idle_ratio": min(1.0, rollouter.idle_seconds() / elapsed)
                 if elapsed > 0
                 else 0.0,

@@ -6,9 +6,10 @@ import math
 import pytest
 from click.testing import CliRunner
 from skip_core.cli import cli
+from skip_core.schedule import WEIGHT_SYNC
 from skip_core.store import scan, verify
 from skiptests import CONFIGS
-from training import metrics, overrides, train
+from training import metrics, overrides, train, undeclared_phases
 
 FULLY_ASYNC = ("trainer.schedule=fully_async", "trainer.test_freq=-1", "trainer.resume_mode=disable")
 # What makes the two schedules train on the same thing: no staleness, a sync after every update,
@@ -64,7 +65,7 @@ def bounded(ray_session, task_dir, tmp_path_factory):
 
 @pytest.mark.loaded
 def test_trajectories_stay_within_the_staleness_bound(bounded):
-    _, rows, _ = bounded
+    trainer, rows, _ = bounded
     trigger, threshold = 2, 0.5
     # A sample waits behind at most (1 + threshold) x trigger updates' worth, generated with
     # weights at most trigger - 1 updates older than those current when it was fed.
@@ -73,7 +74,8 @@ def test_trajectories_stay_within_the_staleness_bound(bounded):
     # Step 2 trains on weights updated once, with samples the engines generated before any sync.
     assert max(row["training/staleness_max"] for row in rows) >= 1  # it did stream ahead
     assert [row["fully_async/count/current_param_version"] for row in rows] == [0, 2, 2, 4, 4, 6]
-    assert all("timing_s/param_sync" in row for row in rows[1::2])
+    assert [f"timing_s/{WEIGHT_SYNC}" in row for row in rows] == [False, True] * 3  # a sync every second update
+    assert not undeclared_phases(trainer, rows)  # the trainer-schedule contract
 
 
 @pytest.mark.loaded
@@ -115,7 +117,7 @@ def test_validation_with_partial_rollout_pauses_the_samples_in_flight_instead_of
         "async_training.staleness_threshold=1",
     )
     rows = [row for row in metrics(tmp_path / "run") if row["step"] > 0]
-    assert all("val/score/mean" in row and "timing_s/param_sync" not in row for row in rows)
+    assert all("val/score/mean" in row and f"timing_s/{WEIGHT_SYNC}" not in row for row in rows)
     assert sum(row["fully_async/partial/total_partial_num"] for row in rows) >= 1
     assert max(row["training/staleness_max"] for row in rows) >= 1  # the held sample trains after step 1
 

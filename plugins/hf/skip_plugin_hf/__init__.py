@@ -4,36 +4,35 @@ Select it with ``rollout.backend=hf``; settings live under ``rollout.hf`` (see t
 """
 
 import os
+from pathlib import Path
 
 from skip_core import hookimpl
+from skip_core.backend import Backend, RolloutBackend
 
-from skip_plugin_hf.config import HFConfig
+from skip_plugin_hf.options import HFOptions
 
 
-class HFFactory:
-    """``check`` runs in the driver before any worker starts; the call builds an engine in a worker."""
+class HF(Backend[HFOptions]):
+    name = "hf"
+    section = "rollout.hf"
+    Options = HFOptions
 
     # torch and transformers take seconds to import: only when this backend is chosen, not when
     # `skip plugins` lists what is installed.
-    def check(self, sections):
+    def check(self, options: HFOptions) -> None:
         if "RAY_ADDRESS" in os.environ:  # the workers' machines are not the driver's
             return
-        from skip_plugin_hf.options import check_device
+        from skip_plugin_hf.resolved import check_device
 
-        check_device(sections[HFConfig].device)
+        check_device(options.device)
 
-    def __call__(self, sections, model_dir):
+    def build(self, options: HFOptions, model_dir: Path) -> RolloutBackend:
         from skip_plugin_hf.engine import HFBackend
-        from skip_plugin_hf.options import resolve
+        from skip_plugin_hf.resolved import resolve
 
-        return HFBackend(resolve(sections[HFConfig], model_dir))
-
-
-@hookimpl
-def skip_register_sections(register):
-    register("rollout.hf", HFConfig)
+        return HFBackend(resolve(options, model_dir))
 
 
 @hookimpl
 def skip_register_backends(register):
-    register("hf", HFFactory())
+    register(HF())

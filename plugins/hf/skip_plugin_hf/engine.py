@@ -22,11 +22,11 @@ from functools import cached_property
 from typing import Any, TypeVar
 
 import torch
-from skip_core.backend import FinishReason, Generation, RolloutBackend, SamplingParams
+from skip_core.backend import FinishReason, Generation, GuardedBackend, SamplingParams
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from skip_plugin_hf.batch import Batch
-from skip_plugin_hf.options import HFOptions
+from skip_plugin_hf.resolved import Resolved
 from skip_plugin_hf.sampling import seeded_stream
 
 T = TypeVar("T")
@@ -71,10 +71,13 @@ class _Row:
     finished: bool = False
 
 
-class HFBackend(RolloutBackend):
+class HFBackend(GuardedBackend):
     """A transformers model serving rollout requests; ``model`` and ``stats`` are public for inspection."""
 
-    def __init__(self, options: HFOptions):
+    label = "hf"
+
+    def __init__(self, options: Resolved):
+        super().__init__()
         self.options = options
         model = AutoModelForCausalLM.from_pretrained(options.model_dir, dtype=options.dtype)
         self.model: PreTrainedModel = model.to(options.device).eval().requires_grad_(False)
@@ -90,7 +93,6 @@ class HFBackend(RolloutBackend):
         self._arrived, self._resumed, self._idle = asyncio.Event(), _event(True), _event(True)
         self._asleep = False
         self._paused = False
-        self._closed = False
 
     @cached_property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -98,8 +100,7 @@ class HFBackend(RolloutBackend):
         return AutoTokenizer.from_pretrained(self.options.model_dir)
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str) -> list[Generation]:
-        if self._closed:
-            raise RuntimeError(f"hf backend: request {request_id!r} after shutdown()")
+        self._admit(prompt_ids, request_id)
         if self._asleep:
             raise RuntimeError(f"hf backend: request {request_id!r} while asleep; call wake_up() first")
         prompt = [int(t) for t in prompt_ids]
@@ -128,8 +129,7 @@ class HFBackend(RolloutBackend):
         }
 
     async def update_weights(self, buckets: AsyncIterable[Mapping[str, Any]]) -> None:
-        if self._closed:
-            raise RuntimeError("hf backend: update_weights after shutdown()")
+        self._refuse_if_closed("update_weights")
         async for bucket in buckets:
             await self._call(self._load, bucket)
 
@@ -155,11 +155,8 @@ class HFBackend(RolloutBackend):
         self._resumed.set()
         self._arrived.set()
 
-    async def shutdown(self) -> None:
-        if self._closed:
-            return
+    async def _close(self) -> None:
         await self.resume()  # a paused engine must still see shutdown
-        self._closed = True
         engine = self._engine
         if engine is not None and not engine.done() and engine.get_loop() is asyncio.get_running_loop():
             self._arrived.set()
@@ -326,8 +323,6 @@ class HFBackend(RolloutBackend):
         return any(not row.finished and not row.request.future.done() for row in [*self._active, *self._queue])
 
     def _budget(self, prompt: list[int], params: SamplingParams, request_id: str) -> int:
-        if not prompt:
-            raise ValueError(f"hf backend: request {request_id!r} has an empty prompt")
         if self._max_positions is None:
             return params.max_new_tokens
         room = self._max_positions - len(prompt)

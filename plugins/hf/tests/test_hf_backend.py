@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,8 @@ from skip_core.backend import Generation, SamplingParams, create_backend, one_bu
 from skip_core.config import ConfigError
 from skip_core.plugins import registry
 from skip_core.sections import Sections, parse_sections
-from skip_plugin_hf.config import HFConfig
 from skip_plugin_hf.engine import HFBackend
+from skip_plugin_hf.options import HFOptions
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 MAX_POSITIONS = 256
@@ -79,7 +80,7 @@ def other_hf_model_dir(tmp_path_factory) -> Path:
 
 
 def make_backend(model_dir: Path, **hf) -> HFBackend:
-    return create_backend("hf", Sections(HFConfig(device="cpu", **hf)), model_dir)
+    return create_backend("hf", Sections(HFOptions(device="cpu", **hf)), model_dir)
 
 
 def generate(backend: HFBackend, prompt: list[int], **params) -> list[Generation]:
@@ -437,6 +438,26 @@ def test_samples_beyond_max_batch_size_wait_for_room_in_the_batch(tiny_hf_model_
     assert backend.stats.rows_per_prefill == [2, 2, 1]
 
 
+def test_generation_calls_no_deprecated_transformers_api(tiny_hf_model_dir):
+    # transformers warns at every call with a deprecated argument (``past_key_values``, from 5.24
+    # on): a rollout would print one warning per forward pass until the release removing it.
+    backend = make_backend(tiny_hf_model_dir, max_batch_size=2)
+
+    async def three_rows():
+        # Through a batch of two: prefills, decoding, a row leaving and a row joining the running batch.
+        requests = [
+            backend.generate(prompt, SamplingParams(temperature=0, max_new_tokens=2 + 6 * i), f"r{i}")
+            for i, prompt in enumerate(prompts(3))
+        ]
+        return await asyncio.gather(*requests)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        asyncio.run(three_rows())
+    assert backend.stats.rows_per_prefill == [2, 1]
+    assert [str(w.message) for w in caught if issubclass(w.category, (DeprecationWarning, FutureWarning))] == []
+
+
 def test_a_seeded_request_samples_the_same_alone_or_in_a_batch(tiny_hf_model_dir):
     backend = make_backend(tiny_hf_model_dir)
     params = SamplingParams(max_new_tokens=24, seed=123, top_p=0.95)
@@ -643,7 +664,7 @@ def test_a_sleeping_backend_refuses_requests_until_woken(tiny_hf_model_dir):
 
 def test_the_plugin_registers_the_hf_backend_and_its_section():
     assert "hf" in registry().backends
-    assert registry().sections["rollout.hf"] is HFConfig
+    assert registry().sections["rollout.hf"] is HFOptions
 
 
 def test_the_section_arrives_validated_from_the_run_config(tiny_hf_model_dir):

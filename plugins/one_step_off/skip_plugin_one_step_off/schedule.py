@@ -7,18 +7,23 @@ trained and before starting the next one. Batch k is therefore generated with th
 step k-2, always exactly one update stale (the rollout log-probs stand in as PPO's old
 log-probs by default, ``algorithm.rollout_correction.bypass_mode``).
 
-Timing, as verl logs it: ``gen`` is the wait for the batch (the part of its generation that was
-not overlapped), ``generate_async`` the generation's own time in the background,
-``sync_rollout_weights`` the weight push.
+Timing: ``gen`` is the wait for the batch (the part of its generation that was not overlapped),
+``generate_async`` (verl's name) the generation's own time in the background, ``sync_weights``
+the weight push (verl's ``sync_rollout_weights``).
 """
 
 from __future__ import annotations
 
-from skip_core.schedule import Run, Schedule
+from skip_core.schedule import GEN, GENERATE_S, WEIGHT_SYNC, Run, Schedule
+
+#: The generation of the batch a step trains, timed on the rollout pool while the step before trained.
+GENERATE_ASYNC = "generate_async"
 
 
 class OneStepOff(Schedule):
     overlapped = True
+    phases = (GEN, WEIGHT_SYNC)
+    background = (GENERATE_ASYNC,)
 
     def fit(self, run: Run) -> None:
         steps = run.steps()
@@ -28,10 +33,10 @@ class OneStepOff(Schedule):
         pending = run.generate(run.prompts(), steps[0])
         for step in steps:
             with run.step(step) as record:
-                with record.timed("gen"):
+                with record.timed(GEN):
                     batch = pending.result()
-                record.timing["generate_async"] = batch.meta_info["generate_s"]
-                with record.timed("sync_rollout_weights"):
+                record.timing[GENERATE_ASYNC] = batch.meta_info[GENERATE_S]
+                with record.timed(WEIGHT_SYNC):
                     run.sync_weights()
                 if step < steps[-1]:
                     pending = run.generate(run.prompts(), step + 1)

@@ -6,32 +6,30 @@ backend before any work. SGLang is imported only when the backend is built.
 """
 
 import os
+from pathlib import Path
 
 from skip_core import hookimpl
-from skip_core.backend import local_model_dir
+from skip_core.backend import Backend, RolloutBackend, local_model_dir
 
 from skip_plugin_sglang.options import SGLangOptions, check_machine
 
 
-class SGLangFactory:
-    """``check`` runs in the driver before any worker starts; the call builds an engine in a worker."""
+class SGLang(Backend[SGLangOptions]):
+    name = "sglang"
+    section = "rollout.engine_kwargs.sglang"
+    Options = SGLangOptions
 
-    def check(self, sections):
+    def check(self, options: SGLangOptions) -> None:
         if "RAY_ADDRESS" not in os.environ:  # on a cluster, the workers' machines are not the driver's
             check_machine()
 
-    def __call__(self, sections, model_dir):
+    def build(self, options: SGLangOptions, model_dir: Path) -> RolloutBackend:
         from skip_plugin_sglang.engine import SGLangBackend
 
         check_machine()
-        return SGLangBackend(sections[SGLangOptions], local_model_dir(model_dir))
-
-
-@hookimpl
-def skip_register_sections(register):
-    register("rollout.engine_kwargs.sglang", SGLangOptions)
+        return SGLangBackend(options, local_model_dir(model_dir))
 
 
 @hookimpl
 def skip_register_backends(register):
-    register("sglang", SGLangFactory())
+    register(SGLang())

@@ -21,7 +21,6 @@ What SGLang 0.5.23's API asks for, and this backend does:
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import random
@@ -31,21 +30,23 @@ from collections.abc import AsyncIterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from skip_core.backend import FinishReason, Generation, RolloutBackend, SamplingParams, untied
+from skip_core.backend import Generation, GuardedBackend, SamplingParams, untied
 from skip_core.config import ConfigError
 from skip_core.loop_thread import LoopThread
 
 from skip_plugin_sglang.options import SGLangOptions, on_cpu
 
 log = logging.getLogger(__name__)
-FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 SEEDS = 2**63  # SGLang keeps seeds as int64
 
 
-class SGLangBackend(RolloutBackend):
+class SGLangBackend(GuardedBackend):
     """``engine`` is SGLang's ``Engine``, public for inspection and benchmarks."""
 
+    label = "sglang"
+
     def __init__(self, options: SGLangOptions, model_dir: Path):
+        super().__init__()
         self.cpu = on_cpu()
         if self.cpu:
             os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # read at import, here and in the scheduler processes
@@ -62,10 +63,7 @@ class SGLangBackend(RolloutBackend):
             raise ConfigError(f"rollout.engine_kwargs.sglang: SGLang refused the engine's arguments: {exc}") from None
         self._processes = [child for child in host.children() if child.pid not in before]
         self._loop = LoopThread("skip-sglang")
-        self._calls = itertools.count()  # SGLang ids must be unique; a request's turns reuse ours
         self._unseeded = random.Random()
-        self._said_no_sleep = False
-        self._closed = False
         if not options.enable_deterministic_inference:
             log.warning(
                 "sglang backend: rollout.engine_kwargs.sglang.enable_deterministic_inference=false: "
@@ -73,30 +71,27 @@ class SGLangBackend(RolloutBackend):
             )
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str) -> list[Generation]:
-        if self._closed:
-            raise RuntimeError(f"sglang backend: request {request_id!r} after shutdown()")
-        if not prompt_ids:
-            raise ValueError(f"sglang backend: request {request_id!r} has an empty prompt")
+        self._admit(prompt_ids, request_id)
         ids = [int(t) for t in prompt_ids]
         samples = [
-            asyncio.ensure_future(self._loop.run_async(self._one(ids, _sampling(params, seed), self._rid(request_id))))
+            asyncio.ensure_future(
+                self._loop.run_async(self._one(ids, _sampling(params, seed), self._engine_id(request_id)))
+            )
             for seed in self._seeds(params)
         ]
-        try:
-            outputs = await asyncio.gather(*samples)
-        except BaseException as exc:
-            for sample in samples:
-                sample.cancel()  # the others would run on for nothing
-            if isinstance(exc, Exception):
-                raise RuntimeError(f"sglang backend: request {request_id!r}: {exc}") from exc
-            raise
-        return [_generation(output, request_id) for output in outputs]
+        with self._errors_of(request_id):
+            try:
+                outputs = await asyncio.gather(*samples)
+            except BaseException:
+                for sample in samples:
+                    sample.cancel()  # the others would run on for nothing
+                raise
+        return [self._generation(output, request_id) for output in outputs]
 
     async def update_weights(self, buckets: AsyncIterable[Mapping[str, Any]]) -> None:
         from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput, EndWeightUpdateReqInput
 
-        if self._closed:
-            raise RuntimeError("sglang backend: update_weights after shutdown()")
+        self._refuse_if_closed("update_weights")
         await self._manager("begin_weight_update", BeginWeightUpdateReqInput(), None)
         try:
             async for bucket in buckets:
@@ -141,10 +136,7 @@ class SGLangBackend(RolloutBackend):
 
         await self._manager("continue_generation", ContinueGenerationReqInput())
 
-    async def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    async def _close(self) -> None:
         await self.pause()  # requests in flight end with "abort" instead of waiting forever
         await asyncio.to_thread(self._shutdown_engine)
         self._loop.stop()
@@ -184,16 +176,15 @@ class SGLangBackend(RolloutBackend):
             return [self._unseeded.randrange(SEEDS) for _ in range(params.n)]
         return [(params.seed * 1_000_003 + i) % SEEDS for i in range(params.n)]
 
-    def _rid(self, request_id: str) -> str:
-        return f"{request_id}-{next(self._calls)}"
-
     def _memory_saver(self) -> bool:
-        saver = self.options.enable_memory_saver and not self.cpu
-        if not saver and not self._said_no_sleep:
-            self._said_no_sleep = True
-            why = "on CPU SGLang's memory saver does not exist" if self.cpu else "enable_memory_saver=false"
-            log.warning(f"sglang backend: {why}; sleep() and wake_up() do nothing")
-        return saver
+        why = "on CPU SGLang's memory saver does not exist" if self.cpu else "enable_memory_saver=false"
+        return self._sleeps(self.options.enable_memory_saver and not self.cpu, why)
+
+    def _generation(self, output: Mapping[str, Any], request_id: str) -> Generation:
+        meta = output["meta_info"]
+        reason = self._finish_reason((meta.get("finish_reason") or {}).get("type"), request_id)
+        entries = meta["output_token_logprobs"]  # (log-prob, token id, text) per sampled token
+        return Generation([int(e[1]) for e in entries], [float(e[0]) for e in entries], reason)
 
     async def _manager(self, method: str, *args: Any) -> Any:
         return await self._loop.run_async(getattr(self.engine.tokenizer_manager, method)(*args))
@@ -214,12 +205,3 @@ def _sampling(params: SamplingParams, seed: int) -> dict[str, Any]:
 
 def _outcome(result: Any) -> tuple[bool, str]:
     return tuple(result[:2]) if isinstance(result, tuple) else (result.success, result.message)
-
-
-def _generation(output: Mapping[str, Any], request_id: str) -> Generation:
-    meta = output["meta_info"]
-    reason = FINISH_REASONS.get((meta.get("finish_reason") or {}).get("type"))
-    if reason is None:
-        raise RuntimeError(f"sglang backend: request {request_id!r} finished with {meta.get('finish_reason')!r}")
-    entries = meta["output_token_logprobs"]  # (log-prob, token id, text) per sampled token
-    return Generation([int(e[1]) for e in entries], [float(e[0]) for e in entries], reason)

@@ -12,7 +12,7 @@ reads. From it:
   ``rows`` the mean number of turns decoding beside it on its worker. Least squares either way;
 - training: each step's trainer phases against the tokens it trained, ``fixed_s + s_per_token x
   tokens`` by least squares over the steps;
-- weight sync: the mean of the run's sync phase.
+- weight sync: the mean of the run's weight push (``WEIGHT_SYNC``, or its name in an older profile).
 """
 
 from __future__ import annotations
@@ -26,11 +26,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from skip_core.config import ConfigError
+from skip_core.schedule import TRAIN_PHASES, WEIGHT_SYNC
 
 from skip_plugin_simulate.workload import Shape
 
-TRAIN_PHASES = ("reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
-SYNC_PHASES = ("update_weights", "sync_rollout_weights", "param_sync")
+#: The weight push as profiles recorded before the contract named it ``WEIGHT_SYNC`` time it (sync's,
+#: one_step_off's and fully_async's names; ``update_weights`` is also verl's own): such a profile
+#: still measures the run's weight sync (tests/data/long_tail is one).
+OLDER_WEIGHT_SYNC = ("update_weights", "sync_rollout_weights", "param_sync")
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,8 @@ def read_profile(directory: str | Path, metrics: str | Path | None = None) -> Me
         decode, per_row, steps_counted = counted
         prefill, engine_fit = 0.0, f"the engine's counters over {steps_counted} steps of {metrics}"
     s_per_token, fixed, steps = _fit_training(table, requests)
-    syncs = [d for name in SYNC_PHASES for d in _events(table, f"trainer/{name}")["duration"].to_pylist()]
+    pushes = (WEIGHT_SYNC, *OLDER_WEIGHT_SYNC)
+    syncs = [d for name in pushes for d in _events(table, f"trainer/{name}")["duration"].to_pylist()]
     return Measured(
         groups,
         val_groups,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from skip_core.batch import Batch
-from skip_core.schedule import StepRecord
+from skip_core.schedule import EPOCH, GENERATE_S, LOADER_STATE, LOADER_STATE_BEFORE, WEIGHT_SYNC, StepRecord
 
 from skip_plugin_simulate.clock import Clock
 from skip_plugin_simulate.config import Simulation
@@ -114,14 +114,14 @@ class SimulatedRun:
             "index": (indices[-1] + 1) % self.sim.data.prompts,
         }
         self._loader = after
-        meta = {"epoch": before["epoch"], "loader_state_before": before, "loader_state": dict(after)}
+        meta = {EPOCH: before["epoch"], LOADER_STATE_BEFORE: before, LOADER_STATE: dict(after)}
         return Batch(non_tensor_batch={"prompt": np.array(indices), "epoch": np.array(epochs)}, meta_info=meta)
 
     def resume_state(self) -> dict | None:
         return self._resume_state
 
     def generate(self, prompts: Batch, step: int, sample_id: str | None = None) -> Future:
-        state = prompts.meta_info.get("loader_state")
+        state = prompts.meta_info.get(LOADER_STATE)
         if sample_id is None and state is not None:
             self._loader_states[step] = state
         n, columns = self.sim.rollout.n, prompts.non_tensor_batch
@@ -226,7 +226,7 @@ class SimulatedRun:
             "interruptions": [r.interruptions for r in requests],
         }
         arrays = {**rows, **{key: np.array(value) for key, value in columns.items()}}
-        return Batch(non_tensor_batch=arrays, meta_info={"generate_s": seconds})
+        return Batch(non_tensor_batch=arrays, meta_info={GENERATE_S: seconds})
 
     def _row(self, record: StepRecord, start: float) -> dict[str, float]:
         elapsed = self.clock.now - start
@@ -245,7 +245,7 @@ class SimulatedRun:
             "time_s": self.clock.now,
             "timing_s/step": elapsed,
             "timing_s/train": self._spent["train"],
-            "timing_s/sync": self._spent["sync"],
+            f"timing_s/{WEIGHT_SYNC}": self._spent["sync"],
             "timing_s/testing": self._spent["testing"],
             "trainer/idle_ratio": max(0.0, elapsed - sum(self._spent.values())) / elapsed if elapsed else 0.0,
             "rollout/busy_ratio": engine_busy / (elapsed * self.engine_count) if elapsed else 0.0,

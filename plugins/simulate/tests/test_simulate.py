@@ -1,11 +1,17 @@
 """The installed schedule plugins, unchanged, against the simulated trainer: the invariants a
 schedule must keep at any scale, read from what the simulated run trained."""
 
+import contextlib
 from collections import Counter
 
 import pytest
+from skip_core import spans
 from skip_core.config import ConfigError
+from skip_core.plugins import registry
+from skip_core.schedule import WEIGHT_SYNC
+from skip_plugin_simulate.clock import Clock
 from skip_plugin_simulate.config import Simulation
+from skip_plugin_simulate.run import SimulatedRun
 from skip_plugin_simulate.simulate import load, simulate, summarize
 
 SCHEDULES = ["sync", "one_step_off", "fully_async"]
@@ -42,6 +48,66 @@ def test_every_sample_fed_trains_once_and_every_step_trains_a_full_batch(schedul
     assert max(Counter(trained).values()) == 1
     prompts = sorted({(epoch, prompt) for epoch, prompt, _ in trained})
     assert prompts == [(prompt // 200, prompt % 200) for prompt in range(12 * 16)]  # the loader's order, none skipped
+
+
+class Watched(SimulatedRun):
+    """The simulated trainer, keeping each step's record; a weight push and a step are spans, so the
+    span a push runs in says which phase timed it."""
+
+    PUSH, STEP = "test/weight_push", "test/step"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.records = []
+
+    @contextlib.contextmanager
+    def step(self, step):
+        with spans.span(self.STEP), super().step(step) as record:
+            self.records.append(record)
+            yield record
+
+    def sync_weights(self, interrupt: bool = False) -> None:
+        with spans.span(self.PUSH):
+            super().sync_weights(interrupt)
+
+
+class PushParents:
+    """A span sink noting the span each weight push ran in."""
+
+    def __init__(self) -> None:
+        self.parents: list[str | None] = []
+
+    def end(self, span) -> None:
+        if span.name == Watched.PUSH:
+            self.parents.append(span.parent.name if span.parent else None)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("schedule", sorted(registry().schedules))
+def test_a_schedule_times_only_its_declared_phases_in_order_and_its_weight_push_as_the_weight_sync(schedule):
+    """The trainer-schedule contract, for every installed schedule: what it times is its
+    ``phases`` (in their order) and ``background``, and a push inside a step is ``WEIGHT_SYNC``."""
+    sim, sections = config(trainer__total_training_steps=4, async_training__trigger_parameter_sync_step=2)
+    plan = registry().schedules[schedule](sections)
+    run, sink = Watched(sim, plan.overlapped, Clock()), PushParents()
+    spans.attach(sink)
+    try:
+        run.clock.run(lambda: plan.fit(run))
+    finally:
+        spans.close()
+    assert [record.step for record in run.records] == [1, 2, 3, 4]
+    for record in run.records:
+        assert record.timing and set(record.timing) <= {*plan.phases, *plan.background}
+        own = [phase for phase in record.timing if phase in plan.phases]  # in the order each first ended
+        assert own == [phase for phase in plan.phases if phase in own]
+    # Pushes before the first step are the schedule's to make untimed; inside a step, none is.
+    assert f"trainer/{WEIGHT_SYNC}" in sink.parents
+    assert set(sink.parents) <= {None, f"trainer/{WEIGHT_SYNC}"}
 
 
 def test_staleness_is_what_each_schedule_promises():

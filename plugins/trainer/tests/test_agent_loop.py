@@ -359,10 +359,10 @@ def test_a_weight_update_with_interrupt_continues_requests_in_flight_with_the_ne
     so far, and each sample records the weight versions it was generated with."""
     from skip_core.backend import create_backend
     from skip_core.sections import Sections
-    from skip_plugin_hf.config import HFConfig
+    from skip_plugin_hf.options import HFOptions
     from transformers import AutoModelForCausalLM
 
-    backend = create_backend("hf", Sections(HFConfig(device="cpu")), tiny_model_dir)
+    backend = create_backend("hf", Sections(HFOptions(device="cpu")), tiny_model_dir)
     loop = make_loop(tokenizer, backend, response_length=256, temperature=1.0, seed=0)
     new_weights = {
         k: v + 0.01 * torch.randn_like(v)

@@ -13,7 +13,7 @@ from skip_core.sections import Sections
 from skip_plugin_arithmetic import tiny_model
 from skip_plugin_arithmetic.calculator import SCHEMA, Calculator
 from skip_plugin_arithmetic.task import demonstration, problems, prompt, score
-from skip_plugin_hf.config import HFConfig
+from skip_plugin_hf.options import HFOptions
 from skip_plugin_trainer.algorithm_settings import ActorConfig, Optim
 from skip_plugin_trainer.reward import place_on_last_token
 from skip_plugin_trainer.rollout.agent_loop import AgentLoop
@@ -71,7 +71,7 @@ def test_grpo_updates_on_one_batch_favour_what_scored_and_the_batch_scores_highe
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(primed_dir)
-    backend = create_backend("hf", Sections(HFConfig(device="cpu")), primed_dir)
+    backend = create_backend("hf", Sections(HFOptions(device="cpu")), primed_dir)
     config = LoopConfig(prompt_length=160, response_length=96, n=SAMPLES, temperature=1.0, seed=0)
     loop = AgentLoop(backend, tokenizer, config, {"calculator": Calculator()}, HermesParser())
     actor = ActorConfig(ppo_mini_batch_size=len(PROBLEMS), ppo_micro_batch_size=len(PROBLEMS) * SAMPLES)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from rich.console import Console
 from skip_core.batch import Batch
+from skip_core.schedule import TRAIN_PHASES
 from skip_plugin_trainer.train.metrics import data_metrics, engine_metrics, throughput_metrics, timing_metrics
 from skip_plugin_trainer.train.summary import plot, plot_figure, summary_table
 from skip_plugin_trainer.train.tracking import MetricsWarning, Tracking
@@ -352,48 +353,64 @@ def _step(step, **seconds):
 
 
 TRAIN = {"reward": 0.2, "old_log_prob": 0.5, "ref": 0.4, "adv": 0.01, "update_actor": 1.5}
+# The order the trainer stacks a run's phases in (``stacked_phases``): its schedule's, then its own.
+ORDER = ("gen", "sync_weights", "filter_groups", "sleep", *TRAIN_PHASES, "testing", "save_checkpoint")
 
 
 @pytest.mark.parametrize(
-    ("history", "bars", "background"),
+    ("history", "given", "bars", "lines"),
     [
         (  # sync: validation and a checkpoint on step 2 only
             [
-                _step(1, gen=3.0, **TRAIN, update_weights=0.3),
-                _step(2, gen=3.0, **TRAIN, update_weights=0.3, testing=4.0, save_checkpoint=1.0),
+                _step(1, gen=3.0, **TRAIN, sync_weights=0.3),
+                _step(2, gen=3.0, **TRAIN, sync_weights=0.3, testing=4.0, save_checkpoint=1.0),
             ],
-            "gen reward old_log_prob ref adv update_actor update_weights validation save_checkpoint other",
+            {"phases": ORDER},
+            "gen sync_weights reward old_log_prob ref adv update_actor validation save_checkpoint other",
             {},
         ),
         (  # one_step_off: generate_async overlaps the step
             [
-                _step(1, gen=3.0, generate_async=3.0, sync_rollout_weights=0.3, **TRAIN),
-                _step(2, gen=0.5, generate_async=3.5, sync_rollout_weights=0.3, **TRAIN, testing=2.0),
+                _step(1, gen=3.0, generate_async=3.0, sync_weights=0.3, **TRAIN),
+                _step(2, gen=0.5, generate_async=3.5, sync_weights=0.3, **TRAIN, testing=2.0),
             ],
-            "gen sync_rollout_weights reward old_log_prob ref adv update_actor validation other",
+            {"phases": ORDER, "background": ("generate_async",)},
+            "gen sync_weights reward old_log_prob ref adv update_actor validation other",
             {"generate_async (background, not stacked)": [3.0, 3.5]},
         ),
-        (  # fully_async, and a phase the plot does not know yet: a bar of its own, not "other"
-            [_step(1, gen=0.2, **TRAIN, param_sync=0.4, testing=2.0, prefetch=0.7)],
-            "gen reward old_log_prob ref adv update_actor param_sync validation prefetch other",
+        (  # no order given (the contract's), and phases it does not know: a bar each after it, not "other"
+            [_step(1, gen=0.2, **TRAIN, sync_weights=0.4, testing=2.0, prefetch=0.7)],
+            {},
+            "gen reward old_log_prob ref adv update_actor sync_weights prefetch validation other",
             {},
         ),
     ],
-    ids=["sync", "one_step_off", "fully_async"],
+    ids=["sync", "one_step_off", "default"],
 )
-def test_plot_stacks_every_timed_phase_up_to_the_step_time(history, bars, background):
-    time_ax = plot_figure(history).axes[1]
+def test_plot_stacks_every_timed_phase_up_to_the_step_time(history, given, bars, lines):
+    time_ax = plot_figure(history, **given).axes[1]
     assert [c.get_label() for c in time_ax.containers] == bars.split()
     tops = [max(p.get_y() + p.get_height() for p in patches) for patches in zip(*time_ax.containers, strict=True)]
     assert tops == pytest.approx([r["timing_s/step"] for r in history])
     assert [p.get_height() for p in time_ax.containers[-1]] == pytest.approx([0.25] * len(history))
-    assert {line.get_label(): line.get_ydata().tolist() for line in time_ax.lines} == background
+    assert {line.get_label(): line.get_ydata().tolist() for line in time_ax.lines} == lines
+
+
+def test_a_phase_keeps_its_colour_whichever_phases_a_run_timed():
+    def colours(history):
+        time_ax = plot_figure(history, ORDER).axes[1]
+        return {c.get_label(): c.patches[0].get_facecolor() for c in time_ax.containers}
+
+    some = colours([_step(1, gen=1.0, update_actor=1.0)])
+    every = colours([_step(1, gen=1.0, sleep=0.1, **TRAIN, sync_weights=0.3, testing=1.0)])
+    assert some["gen"] == every["gen"] and some["update_actor"] == every["update_actor"]
+    assert len({every[phase] for phase in every if phase != "other"}) == len(every) - 1  # each its own
 
 
 @pytest.mark.parametrize("steps", [1, 40])
 def test_plot_legends_lie_outside_the_axes_and_inside_the_figure(steps):
     history = [
-        {**_step(s, gen=3.0, **TRAIN, update_weights=0.3, testing=2.0), "critic/score/mean": 0.1 * s}
+        {**_step(s, gen=3.0, **TRAIN, sync_weights=0.3, testing=2.0), "critic/score/mean": 0.1 * s}
         | {"val/score/mean": 0.1, "val/a/score/mean": 0.0, "val/b/score/mean": 0.2}
         for s in range(1, steps + 1)
     ]

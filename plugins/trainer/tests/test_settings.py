@@ -5,7 +5,7 @@ import pytest
 from skip_core.config import ConfigError
 from skip_core.plugins import registry
 from skip_plugin_arithmetic.task import ArithmeticOptions
-from skip_plugin_hf.config import HFConfig
+from skip_plugin_hf.options import HFOptions
 from skip_plugin_trainer.run_sections import Resources
 from skip_plugin_trainer.settings import SECTIONS, RunSettings
 
@@ -36,13 +36,13 @@ def settings(**sections) -> RunSettings:
 def test_the_trainers_sections_are_declared_like_any_plugins():
     declared = registry().sections
     assert all(declared[key] is model for key, model in SECTIONS.items())
-    assert declared["rollout.hf"] is HFConfig
+    assert declared["rollout.hf"] is HFOptions
 
 
 def test_each_section_arrives_typed_and_the_rollout_section_excludes_the_backends_own():
     s = settings(rollout={"n": 3, "hf": {"max_batch_size": 7}}, data={"max_response_length": 32})
     assert (s.rollout.n, s.rollout.response_length, s.backend) == (3, 32, "hf")
-    assert s.sections[HFConfig].max_batch_size == 7
+    assert s.sections[HFOptions].max_batch_size == 7
 
 
 def test_a_task_section_is_validated_by_the_named_tasks_own_options():

@@ -3,7 +3,7 @@ import asyncio
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from skip_core.backend import backend_factory
+from skip_core.backend import find_backend
 from skip_core.config import ConfigError
 from skip_core.hookspecs import hookimpl
 from skip_core.plugins import load_plugins
@@ -172,10 +172,10 @@ def test_unknown_parser_names_the_key_and_the_installed_ones():
 def test_unknown_backend_lists_installed_and_says_how_to_install_one_this_repository_ships():
     hint = r"unknown backend 'hf' \(installed: mine\); install skip-plugin-hf from a clone"
     with pytest.raises(ConfigError, match=hint):
-        backend_factory("hf", {"mine": object})
+        find_backend("hf", {"mine": object})
     vllm = r"unknown backend 'vllm' \(installed: hf\); install skip-plugin-vllm from a clone .* ./plugins/vllm$"
     with pytest.raises(ConfigError, match=vllm):
-        backend_factory("vllm", {"hf": object})
+        find_backend("vllm", {"hf": object})
     with pytest.raises(ConfigError, match=r"unknown backend 'tgi' \(installed: hf\)$"):  # not one we ship
-        backend_factory("tgi", {"hf": object})
-    assert backend_factory("hf", {"hf": object}) is object
+        find_backend("tgi", {"hf": object})
+    assert find_backend("hf", {"hf": object}) is object

@@ -13,11 +13,12 @@ from click.testing import CliRunner
 from rich.console import Console
 from skip_core import ConfigError, encoding
 from skip_core.cli import cli
+from skip_core.schedule import GEN, STEP, WEIGHT_SYNC
 from skip_core.store import scan, verify
 from skip_plugin_trainer.commands import compose_config
 from skip_plugin_trainer.train.trainer import Trainer
 from skiptests import CONFIGS
-from training import metrics, overrides, train
+from training import metrics, overrides, train, undeclared_phases
 
 # The 5-step test model scores 0 everywhere, so advantages are 0: the entropy bonus and the KL
 # loss (with its reference model) give the update something to do. Both the rollouts and the
@@ -71,8 +72,9 @@ def test_two_steps_train_then_the_cache_replays_generation(first, replayed):
     assert [row["step"] for row in rows] == [1, 2]
     for row in rows:
         assert 0 <= row["critic/score/mean"] <= 1 and row["actor/grad_norm"] > 0
-        phases = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "step")
+        phases = (GEN, "reward", "old_log_prob", "ref", "adv", "update_actor", WEIGHT_SYNC, STEP)
         assert {f"timing_s/{phase}" for phase in phases} <= row.keys()
+    assert not undeclared_phases(first.trainer, rows)  # the trainer-schedule contract
     # Step 1's second mini-batch already runs on updated weights: the policy left the reference.
     assert all(row["actor/kl_loss"] > 0 for row in rows)
     assert "val/score/mean" in rows[1] and "val/score/mean" not in rows[0]

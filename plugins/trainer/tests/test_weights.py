@@ -9,7 +9,7 @@ import torch
 from scripted_model import make_loop
 from skip_core.backend import create_backend
 from skip_core.sections import Sections
-from skip_plugin_hf.config import HFConfig
+from skip_plugin_hf.options import HFOptions
 from skip_plugin_trainer.algorithm_settings import ActorConfig, Optim
 from skip_plugin_trainer.rollout.weights import MEGABYTE, Bucket, TensorSpec, pack, plan, unpack
 from skip_plugin_trainer.train.policy import Policy
@@ -81,7 +81,7 @@ def test_the_agent_loop_loads_buckets_into_the_engine_and_errors_leave_it_usable
         for parameter in policy.model.parameters():
             parameter.mul_(1.5)
     count = policy.publish_weights(0.25, keep=False)
-    backend = create_backend("hf", Sections(HFConfig(device="cpu")), tiny_model_dir)
+    backend = create_backend("hf", Sections(HFOptions(device="cpu")), tiny_model_dir)
     loop = make_loop(AutoTokenizer.from_pretrained(tiny_model_dir), backend)
     try:
         with pytest.raises(RuntimeError, match="bucket 2 of 5 arrived without bucket 0"):

@@ -5,29 +5,28 @@ Select it with ``rollout.backend=vllm``; engine options are the section ``rollou
 driver's check do not pay for it.
 """
 
+from pathlib import Path
+
 from skip_core import hookimpl
-from skip_core.backend import local_model_dir
+from skip_core.backend import Backend, RolloutBackend, local_model_dir
 
 from skip_plugin_vllm.options import VLLMOptions, check_installed
 
 
-class VLLMFactory:
-    """``check`` runs in the driver before any worker starts; the call builds an engine in a worker."""
+class VLLM(Backend[VLLMOptions]):
+    name = "vllm"
+    section = "rollout.engine_kwargs.vllm"
+    Options = VLLMOptions
 
-    def check(self, sections):
+    def check(self, options: VLLMOptions) -> None:
         check_installed()
 
-    def __call__(self, sections, model_dir):
+    def build(self, options: VLLMOptions, model_dir: Path) -> RolloutBackend:
         from skip_plugin_vllm.engine import VLLMBackend
 
-        return VLLMBackend(sections[VLLMOptions], local_model_dir(model_dir))
-
-
-@hookimpl
-def skip_register_sections(register):
-    register("rollout.engine_kwargs.vllm", VLLMOptions)
+        return VLLMBackend(options, local_model_dir(model_dir))
 
 
 @hookimpl
 def skip_register_backends(register):
-    register("vllm", VLLMFactory())
+    register(VLLM())

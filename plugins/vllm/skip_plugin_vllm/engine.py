@@ -11,29 +11,28 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import itertools
-import logging
 import os
 import tempfile
 from collections.abc import AsyncIterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from skip_core.backend import FinishReason, Generation, RolloutBackend, SamplingParams, untied
+from skip_core.backend import Generation, GuardedBackend, SamplingParams, untied
 from skip_core.loop_thread import LoopThread
 
 from skip_plugin_vllm.options import VLLMOptions
 from skip_plugin_vllm.worker import bucket_file
 
-log = logging.getLogger(__name__)
 SHARED_MEMORY = "/dev/shm" if os.path.isdir("/dev/shm") else None
-FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-class VLLMBackend(RolloutBackend):
+class VLLMBackend(GuardedBackend):
     """``engine`` is vLLM's ``AsyncLLM``, public for inspection and benchmarks."""
 
+    label = "vllm"
+
     def __init__(self, options: VLLMOptions, model_dir: Path):
+        super().__init__()
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -45,26 +44,16 @@ class VLLMBackend(RolloutBackend):
         self._loop = LoopThread("skip-vllm")
         args = AsyncEngineArgs(**options.engine_args(model_dir, self.sleep_mode, cpu=current_platform.is_cpu()))
         self.engine = self._loop.run(_start(AsyncLLM, args))
-        self._calls = itertools.count()  # vLLM ids must be unique; a request's turns reuse our id
-        self._said_no_sleep = False
-        self._closed = False
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str) -> list[Generation]:
-        if self._closed:
-            raise RuntimeError(f"vllm backend: request {request_id!r} after shutdown()")
-        if not prompt_ids:
-            raise ValueError(f"vllm backend: request {request_id!r} has an empty prompt")
-        try:
+        self._admit(prompt_ids, request_id)
+        # Cancelled, the engine's task is cancelled with ours, and vLLM aborts a request whose stream closes.
+        with self._errors_of(request_id):
             final = await self._loop.run_async(self._final_output(prompt_ids, params, request_id))
-        except asyncio.CancelledError:
-            raise  # the engine's task was cancelled with ours, and vLLM aborts a request whose stream closes
-        except Exception as exc:
-            raise RuntimeError(f"vllm backend: request {request_id!r}: {exc}") from exc
-        return [_generation(out, request_id) for out in sorted(final.outputs, key=lambda out: out.index)]
+        return [self._generation(out, request_id) for out in sorted(final.outputs, key=lambda out: out.index)]
 
     async def update_weights(self, buckets: AsyncIterable[Mapping[str, Any]]) -> None:
-        if self._closed:
-            raise RuntimeError("vllm backend: update_weights after shutdown()")
+        self._refuse_if_closed("update_weights")
         # Each bucket goes through a file in shared memory, which the engine's workers read while
         # the next one is written: collective_rpc would turn tensors into lists, and pushes bytes
         # through its queues slowly. One reload takes them all, as a checkpoint load would.
@@ -80,11 +69,11 @@ class VLLMBackend(RolloutBackend):
         await self._loop.run_async(self.engine.reset_prefix_cache())
 
     async def sleep(self) -> None:
-        if not self._sleep_unsupported():
+        if self._sleep_mode():
             await self._loop.run_async(self.engine.sleep(level=1))
 
     async def wake_up(self) -> None:
-        if not self._sleep_unsupported():
+        if self._sleep_mode():
             await self._loop.run_async(self.engine.wake_up())
 
     async def pause(self) -> None:
@@ -98,10 +87,7 @@ class VLLMBackend(RolloutBackend):
     async def resume(self) -> None:
         await self._loop.run_async(self.engine.resume_generation())
 
-    async def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    async def _close(self) -> None:
         await self.pause()  # requests in flight end with "abort" instead of waiting forever
         await asyncio.to_thread(self.engine.shutdown)
         # Drop the engine now: AsyncLLM.__del__ shuts down again, which fails at interpreter exit.
@@ -113,20 +99,21 @@ class VLLMBackend(RolloutBackend):
 
         prompt = TokensPrompt(prompt_token_ids=[int(t) for t in prompt_ids])
         final = None
-        async for output in self.engine.generate(prompt, _sampling(params), f"{request_id}-{next(self._calls)}"):
+        async for output in self.engine.generate(prompt, _sampling(params), self._engine_id(request_id)):
             final = output  # FINAL_ONLY: one output, when the request ends
         if final is None:
             raise RuntimeError("the engine ended the request without output")
         return final
 
-    def _sleep_unsupported(self) -> bool:
-        if not self.sleep_mode and not self._said_no_sleep:
-            self._said_no_sleep = True
-            log.warning(
-                "vllm backend: sleep mode is off (not supported on this platform, or "
-                "rollout.engine_kwargs.vllm.enable_sleep_mode=false); sleep() and wake_up() do nothing"
-            )
-        return not self.sleep_mode
+    def _sleep_mode(self) -> bool:
+        off = "not supported on this platform, or rollout.engine_kwargs.vllm.enable_sleep_mode=false"
+        return self._sleeps(self.sleep_mode, f"sleep mode is off ({off})")
+
+    def _generation(self, out: Any, request_id: str) -> Generation:
+        reason = self._finish_reason(out.finish_reason, request_id)
+        token_ids = list(out.token_ids)
+        log_probs = [position[token].logprob for token, position in zip(token_ids, out.logprobs or [], strict=True)]
+        return Generation(token_ids, log_probs, reason)
 
 
 async def _start(engine_class: Any, args: Any) -> Any:
@@ -170,12 +157,3 @@ async def _write_buckets(buckets: AsyncIterable[Mapping[str, Any]], directory: P
             loading.result()  # the workers' error
         index += 1
     (directory / "end").touch()
-
-
-def _generation(out: Any, request_id: str) -> Generation:
-    reason = FINISH_REASONS.get(out.finish_reason)
-    if reason is None:
-        raise RuntimeError(f"vllm backend: request {request_id!r} finished with {out.finish_reason!r}")
-    token_ids = list(out.token_ids)
-    log_probs = [position[token].logprob for token, position in zip(token_ids, out.logprobs or [], strict=True)]
-    return Generation(token_ids, log_probs, reason)

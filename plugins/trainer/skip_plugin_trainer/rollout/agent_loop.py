@@ -25,6 +25,7 @@ from skip_core.backend import FinishReason, Generation, RolloutBackend, Sampling
 from skip_core.batch import Batch
 from skip_core.loop_thread import LoopThread
 from skip_core.manager import SkipManager
+from skip_core.schedule import GLOBAL_STEPS, INDEX_BASE, VALIDATE
 
 from skip_plugin_trainer.data.chat import ChatFormat
 from skip_plugin_trainer.rollout.padding import ROLLOUT_LAYOUT, pad_requests
@@ -109,12 +110,12 @@ class AgentLoop:
 
     async def _generate(self, prompts: Batch, sample_key: str | None) -> Batch:
         self.rollouts += 1
-        validate = bool(prompts.meta_info.get("validate", False))
+        validate = bool(prompts.meta_info.get(VALIDATE, False))
         sampling = self.config.val_kwargs if validate else self.config
-        key = sample_key if sample_key is not None else f"step{prompts.meta_info.get('global_steps', 0)}"
+        key = sample_key if sample_key is not None else f"step{prompts.meta_info.get(GLOBAL_STEPS, 0)}"
         # A worker given rows [base, base + len) of a split batch seeds them as the whole batch would.
-        base = int(prompts.meta_info.get("index_base", 0))
-        step = int(prompts.meta_info.get("global_steps", 0))
+        base = int(prompts.meta_info.get(INDEX_BASE, 0))
+        step = int(prompts.meta_info.get(GLOBAL_STEPS, 0))
         with spans.span("rollout", step=step, phase="val" if validate else "train", requests=len(prompts) * sampling.n):
             rows = [(i, offset) for i in range(len(prompts)) for offset in range(sampling.n)]
             requests = [self._request(prompts, i, offset, key, base) for i, offset in rows]

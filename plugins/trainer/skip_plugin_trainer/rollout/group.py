@@ -26,6 +26,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from skip_core import spans
 from skip_core.batch import Batch
 from skip_core.manager import SkipManager
+from skip_core.schedule import GLOBAL_STEPS, INDEX_BASE, VALIDATE
 
 from skip_plugin_trainer.actors import Where
 from skip_plugin_trainer.rollout.padding import ROLLOUT_LAYOUT
@@ -87,8 +88,8 @@ class RolloutGroup:
         with self._lock:
             if self.workers:
                 return self.workers
-            step = prompts.meta_info.get("global_steps")
-            what = "validation" if prompts.meta_info.get("validate") else f"the generation of step {step}"
+            step = prompts.meta_info.get(GLOBAL_STEPS)
+            what = "validation" if prompts.meta_info.get(VALIDATE) else f"the generation of step {step}"
             warnings.warn(
                 f"starting the rollout engines: {what} is not in the skip cache", RuntimeWarning, stacklevel=3
             )
@@ -106,10 +107,10 @@ class RolloutGroup:
         self.calls += 1
         workers = self._started(prompts)
         parts = prompts.chunk(len(workers))
-        base = int(prompts.meta_info.get("index_base", 0))
+        base = int(prompts.meta_info.get(INDEX_BASE, 0))
         for rank, part in enumerate(parts):
-            part.meta_info = {**prompts.meta_info, "index_base": base + rank * len(part)}
-        self._step = prompts.meta_info.get("global_steps", self._step)
+            part.meta_info = {**prompts.meta_info, INDEX_BASE: base + rank * len(part)}
+        self._step = prompts.meta_info.get(GLOBAL_STEPS, self._step)
         calls = {rank: (part,) for rank, part in enumerate(parts)}
         done = self._gather("generate_sequences", calls, "while generating", barrier=True)
         outputs = [done[rank] for rank in range(len(parts))]
@@ -124,7 +125,7 @@ class RolloutGroup:
         ``async_rollout`` role wraps. Workers take many at once; their engines batch them. A sample
         lost with its worker is generated again from its start (its seed is its id's)."""
         self.calls += 1
-        self._step = prompts.meta_info.get("global_steps", self._step)
+        self._step = prompts.meta_info.get(GLOBAL_STEPS, self._step)
         workers = await asyncio.to_thread(self._started, prompts)
         rank = self._turn % len(workers)
         self._turn += 1

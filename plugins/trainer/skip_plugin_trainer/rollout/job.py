@@ -20,6 +20,7 @@ from skip_core import spans
 from skip_core.batch import Batch
 from skip_core.config import ConfigError, StepSet
 from skip_core.manager import SkipManager
+from skip_core.schedule import GLOBAL_STEPS, INDEX_BASE
 
 from skip_plugin_trainer.data import PromptLoader, generation_inputs
 from skip_plugin_trainer.rollout.agent_loop import AgentLoop
@@ -131,7 +132,7 @@ def _generate(loop: AgentLoop, loader: PromptLoader, step: int) -> tuple[Batch, 
     loader.seek(step - 1)
     prompts = next(loader)
     inputs = generation_inputs(prompts)
-    inputs.meta_info.update(global_steps=step, index_base=0)  # the run's seeds: its step, each row's index
+    inputs.meta_info.update({GLOBAL_STEPS: step, INDEX_BASE: 0})  # the run's seeds: its step, each row's index
     SkipManager.set_step(step)
     return prompts, loop.generate_sequences(inputs)
 

@@ -4,12 +4,11 @@ trainer and each rollout worker build theirs here."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skip_core.backend import RolloutBackend, backend_factory
+from skip_core.backend import Backend, find_backend
 from skip_core.config import ConfigError
 
 from skip_plugin_trainer.data import PromptLoader, RLDataset
@@ -48,19 +47,17 @@ class RolloutParts:
 
     tools: dict[str, Tool]
     parser: ToolParser
-    backend: Callable[..., RolloutBackend]
+    backend: Backend
 
     @classmethod
     def from_settings(cls, settings: RolloutSettings) -> RolloutParts:
-        from skip_core.plugins import registry
-
         turns = settings.rollout.multi_turn
-        backend = backend_factory(settings.backend, registry().backends)
+        backend = find_backend(settings.backend)
         return cls(load_tools(turns.tools_config), tool_parser(turns.format), backend)
 
     def agent_loop(self, settings: RolloutSettings, tokenizer: Any) -> AgentLoop:
         """Start the backend on the model of ``model.path``."""
-        backend = self.backend(settings.sections, settings.model_path())
+        backend = self.backend.build(settings.sections[self.backend.Options], settings.model_path())
         return AgentLoop(backend, tokenizer, settings.rollout, self.tools, self.parser)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from skip_core import spans
 from skip_core.batch import Batch
+from skip_core.schedule import GLOBAL_STEPS
 
 from skip_plugin_trainer.actors import Located
 from skip_plugin_trainer.rollout.weights import Bucket, unpack
@@ -31,7 +32,7 @@ class RolloutWorker(Located):
         self.step = 0
 
     def generate_sequences(self, prompts: Batch) -> Batch:
-        self.step = int(prompts.meta_info.get("global_steps", self.step))
+        self.step = int(prompts.meta_info.get(GLOBAL_STEPS, self.step))
         return self.loop.generate_sequences(prompts)
 
     def load_weights_bucket(self, bucket: Bucket, index: int, count: int, version: int, interrupt: bool) -> None:

@@ -11,8 +11,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 from skip_core.batch import Batch
-
-_PER_TOKEN_PHASES = ("reward", "old_log_prob", "ref", "adv", "update_actor")
+from skip_core.schedule import GEN, STEP, TRAIN_PHASES
 
 
 def _stats(name: str, values: torch.Tensor | np.ndarray) -> dict[str, float]:
@@ -63,9 +62,9 @@ def timing_metrics(timing: Mapping[str, float], batch: Batch) -> dict[str, float
     response_tokens = float(response_length.sum())
     all_tokens = response_tokens + float(prompt_length.sum())
     metrics = {f"timing_s/{name}": float(seconds) for name, seconds in timing.items()}
-    if "gen" in timing:
-        metrics["timing_per_token_ms/gen"] = float(timing["gen"]) * 1000 / response_tokens
-    for name in _PER_TOKEN_PHASES:
+    if GEN in timing:
+        metrics[f"timing_per_token_ms/{GEN}"] = float(timing[GEN]) * 1000 / response_tokens
+    for name in TRAIN_PHASES:  # as verl: generation per response token, training per token of the sequence
         if name in timing:
             metrics[f"timing_per_token_ms/{name}"] = float(timing[name]) * 1000 / all_tokens
     return metrics
@@ -74,7 +73,7 @@ def timing_metrics(timing: Mapping[str, float], batch: Batch) -> dict[str, float
 def throughput_metrics(timing: Mapping[str, float], batch: Batch, n_workers: int = 1) -> dict[str, float]:
     """Tokens per second per worker over the whole step, verl's ``perf/throughput``."""
     tokens = float(batch.batch["attention_mask"].sum())
-    step_time = float(timing["step"])
+    step_time = float(timing[STEP])
     return {
         "perf/total_num_tokens": tokens,
         "perf/time_per_step": step_time,

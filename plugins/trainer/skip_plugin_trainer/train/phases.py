@@ -1,7 +1,8 @@
 """The training phases of a step on a rolled-out batch, in verl's order: reward, old and
-reference log-probs, values, advantages, the critic update and the actor update. The driver
-computes rewards and advantages; log-probs and updates run on the policy and critic workers,
-which see only ``ACTOR_INPUTS`` and what their phase adds.
+reference log-probs, values, advantages, the critic update and the actor update, each timed
+under its name in ``skip_core.schedule.TRAIN_PHASES``. The driver computes rewards and
+advantages; log-probs and updates run on the policy and critic workers, which see only
+``ACTOR_INPUTS`` and what their phase adds.
 """
 
 from __future__ import annotations

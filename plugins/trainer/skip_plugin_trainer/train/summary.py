@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -12,34 +13,24 @@ import numpy as np
 import rich.console
 import rich.table
 from skip_core.files import write_atomic
+from skip_core.schedule import GEN, STEP, TRAIN_PHASES, WEIGHT_SYNC
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-#: The driver's timed phases (``StepRecord.timed``) in the order a step runs them, the sync schedule's and the
-#: overlapped schedules' own weight syncs, so each keeps its place and colour from run to run.
-_PHASES = (
-    "gen",
-    "sync_rollout_weights",
-    "reward",
-    "old_log_prob",
-    "ref",
-    "adv",
-    "update_actor",
-    "update_weights",
-    "param_sync",
-    "testing",
-    "save_checkpoint",
-)
+#: The order phases stack in when the caller names none: the contract's, as the sync schedule runs them.
+CONTRACT_PHASES = (GEN, *TRAIN_PHASES, WEIGHT_SYNC)
 
-#: ``testing`` times the validation rollouts and their scoring; "other" would hide the largest phase of a due step.
+#: The trainer's ``testing`` times the validation rollouts and their scoring; "other" would hide the largest
+#: phase of a due step.
 _PHASE_LABELS = {"testing": "validation"}
 
-#: one_step_off's generation of a batch on the rollout pool, while the previous step trained: not part of the step.
-_BACKGROUND = "generate_async"
+#: Background phases' markers: each a black dotted line over the bars.
+_BACKGROUND_MARKERS = ("D", "^", "v", "s")
 
 _TRAIN_SCORE = "critic/score/mean"
+_STEP_S, _GEN_S = f"timing_s/{STEP}", f"timing_s/{GEN}"
 
 _VAL_MEAN = re.compile(r"^val(-core)?/.*(score|reward)/mean(@\d+)?$")
 
@@ -50,8 +41,8 @@ def _fmt(value: Any, spec: str = "{:.4g}") -> str:
 
 def _totals(history: Sequence[Mapping[str, Any]]) -> str:
     """One line answering: how long did it take, where did the time go, did the score move."""
-    steps = [r["timing_s/step"] for r in history if "timing_s/step" in r]
-    gens = [r["timing_s/gen"] for r in history if "timing_s/step" in r and "timing_s/gen" in r]
+    steps = [r[_STEP_S] for r in history if _STEP_S in r]
+    gens = [r[_GEN_S] for r in history if _STEP_S in r and _GEN_S in r]
     scores = [r["critic/score/mean"] for r in history if "critic/score/mean" in r]
     total = sum(steps) if steps else None
     return " · ".join(
@@ -72,8 +63,8 @@ def summary_table(history: Sequence[Mapping[str, Any]], title: str = "skip run")
         ("entropy", "actor/entropy", "{:.4g}"),
         ("pg loss", "actor/pg_loss", "{:.4g}"),
         ("grad norm", "actor/grad_norm", "{:.4g}"),
-        ("gen s", "timing_s/gen", "{:.2f}"),
-        ("step s", "timing_s/step", "{:.2f}"),
+        ("gen s", _GEN_S, "{:.2f}"),
+        ("step s", _STEP_S, "{:.2f}"),
     ]
     table = rich.table.Table(title=title, caption=_totals(history))
     table.add_column("step", justify="right")
@@ -84,19 +75,30 @@ def summary_table(history: Sequence[Mapping[str, Any]], title: str = "skip run")
     return table
 
 
-def plot(history: Sequence[Mapping[str, Any]], path: Path) -> Path:
+def plot(
+    history: Sequence[Mapping[str, Any]],
+    path: Path,
+    phases: Sequence[str] = CONTRACT_PHASES,
+    background: Sequence[str] = (),
+) -> Path:
     """``plot_figure`` as a PNG at ``path``, written atomically so a crash never leaves half an image."""
     buffer = io.BytesIO()
-    plot_figure(history).savefig(buffer, format="png")
+    plot_figure(history, phases, background).savefig(buffer, format="png")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, buffer.getvalue())
     return path
 
 
-def plot_figure(history: Sequence[Mapping[str, Any]]) -> Figure:
+def plot_figure(
+    history: Sequence[Mapping[str, Any]], phases: Sequence[str] = CONTRACT_PHASES, background: Sequence[str] = ()
+) -> Figure:
     """Score and stacked phase times per step, so a cached (collapsed) gen phase stands out; returned rather than
-    saved so its lines and bars can be read back. Legends sit right of the axes, where they cannot cover data."""
+    saved so its lines and bars can be read back. Legends sit right of the axes, where they cannot cover data.
+
+    ``phases``: the order the run's phases stack in (the trainer's: its schedule's, then its own), which also gives
+    each its colour, so a phase keeps both from run to run; ``background``: phases that ran beside the step, not in
+    it (one_step_off's ``generate_async``)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -108,7 +110,7 @@ def plot_figure(history: Sequence[Mapping[str, Any]]) -> Figure:
         style = {"marker": "o"} if keys[0] == _TRAIN_SCORE else {"marker": "s", "linestyle": "--"}
         score_ax.plot(steps, values, label=" = ".join("train" if k == _TRAIN_SCORE else k for k in keys), **style)
     score_ax.set_ylabel("score mean")
-    _phase_bars(time_ax, history)
+    _phase_bars(time_ax, history, phases, background)
     time_ax.set_xlabel("step")
     time_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     time_ax.set_ylabel("step time (s)")
@@ -136,15 +138,17 @@ def _score_series(history: Sequence[Mapping[str, Any]]) -> list[tuple[list[str],
     return series
 
 
-def _phase_bars(ax: Axes, history: Sequence[Mapping[str, Any]]) -> None:
-    """Every phase the driver timed, stacked in the order it runs, then "other" up to the step's wall time (the
-    prompts' loading, metrics: the step outside every phase). A phase missing from ``_PHASES`` (a new schedule's)
-    gets a bar of its own after them rather than vanishing into "other"."""
+def _phase_bars(
+    ax: Axes, history: Sequence[Mapping[str, Any]], order: Sequence[str], background: Sequence[str]
+) -> None:
+    """Every phase the driver timed, stacked in ``order``, then "other" up to the step's wall time (the prompts'
+    loading, metrics: the step outside every phase). A phase missing from ``order`` gets a bar of its own after them
+    rather than vanishing into "other"."""
     from matplotlib import colormaps
 
     timed = [r for r in history if any(k.startswith("timing_s/") for k in r)]
     names = {k.removeprefix("timing_s/") for r in timed for k in r if k.startswith("timing_s/")}
-    phases = [p for p in _PHASES if p in names] + sorted(names - {*_PHASES, "step", _BACKGROUND})
+    phases = [p for p in order if p in names] + sorted(names - {*order, STEP, *background})
     # tab20's strong hues, then its light ones, without its grays: gray is "other".
     tab20 = colormaps["tab20"].colors
     palette = [tab20[i] for i in (*range(0, 20, 2), *range(1, 20, 2)) if i not in (14, 15)]
@@ -152,16 +156,17 @@ def _phase_bars(ax: Axes, history: Sequence[Mapping[str, Any]]) -> None:
     bottom = np.zeros(len(timed))
     for phase in phases:
         heights = np.array([r.get(f"timing_s/{phase}", 0.0) for r in timed])
-        color = palette[(*_PHASES, *phases).index(phase) % len(palette)]
+        color = palette[(*order, *phases).index(phase) % len(palette)]
         ax.bar(steps, heights, bottom=bottom, label=_PHASE_LABELS.get(phase, phase), color=color)
         bottom += heights
-    other = np.array([max(r.get("timing_s/step", 0.0) - b, 0.0) for r, b in zip(timed, bottom, strict=True)])
+    other = np.array([max(r.get(_STEP_S, 0.0) - b, 0.0) for r, b in zip(timed, bottom, strict=True)])
     if other.any():
         ax.bar(steps, other, bottom=bottom, label="other", color="lightgray")
-    # generate_async ran on the rollout pool while the previous step's phases ran (its wait shows as this step's
-    # gen): stacked, it would add seconds the step did not take, so it is a line over the bars, not a bar.
-    background = [r for r in timed if f"timing_s/{_BACKGROUND}" in r]
-    if background:
-        seconds = [r[f"timing_s/{_BACKGROUND}"] for r in background]
-        label = f"{_BACKGROUND} (background, not stacked)"
-        ax.plot([r["step"] for r in background], seconds, color="black", marker="D", linestyle=":", label=label)
+    # A background phase ran while the step's phases ran (one_step_off's generation on the rollout pool: its wait
+    # shows as this step's gen): stacked, it would add seconds the step did not take, so it is a line over the bars.
+    for phase, marker in zip(background, itertools.cycle(_BACKGROUND_MARKERS)):
+        rows = [r for r in timed if f"timing_s/{phase}" in r]
+        if rows:
+            seconds = [r[f"timing_s/{phase}"] for r in rows]
+            label = f"{phase} (background, not stacked)"
+            ax.plot([r["step"] for r in rows], seconds, color="black", marker=marker, linestyle=":", label=label)

@@ -6,17 +6,19 @@ on-policy up to engine numerics. With a skip cache hit, ``gen`` is the time to l
 
 from __future__ import annotations
 
-from skip_core.schedule import Run, Schedule
+from skip_core.schedule import GEN, WEIGHT_SYNC, Run, Schedule
 
 
 class SyncSchedule(Schedule):
+    phases = (GEN, WEIGHT_SYNC)
+
     def fit(self, run: Run) -> None:
         for step in run.steps():
             with run.step(step) as record:
                 prompts = run.prompts()
-                with record.timed("gen"):
+                with record.timed(GEN):
                     batch = run.generate(prompts, step).result()
                 run.train(batch, record)
-                with record.timed("update_weights"):
+                with record.timed(WEIGHT_SYNC):
                     run.sync_weights()
                 run.after_update(record)

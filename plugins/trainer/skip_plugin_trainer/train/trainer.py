@@ -28,7 +28,19 @@ from skip_core import spans
 from skip_core.batch import Batch
 from skip_core.loop_thread import LoopThread
 from skip_core.manager import SkipManager
-from skip_core.schedule import Schedule, StepRecord
+from skip_core.schedule import (
+    EPOCH,
+    GENERATE_S,
+    GLOBAL_STEPS,
+    INDEX_BASE,
+    LOADER_STATE,
+    LOADER_STATE_BEFORE,
+    STEP,
+    TRAIN_PHASES,
+    VALIDATE,
+    Schedule,
+    StepRecord,
+)
 
 from skip_plugin_trainer.data import collate, generation_inputs
 from skip_plugin_trainer.rollout.group import WorkerLost
@@ -53,6 +65,18 @@ from skip_plugin_trainer.train.tracking import Tracking, check_loggers
 from skip_plugin_trainer.train.train_data import save_train_data
 from skip_plugin_trainer.train.train_only import plan_engines
 from skip_plugin_trainer.train.workers import Cluster
+
+#: What the trainer times itself beside ``TRAIN_PHASES`` (``Phases.train``), in the order a step
+#: runs them: in ``train`` dynamic sampling's extra generations and the engines' sleep (colocated),
+#: in ``after_update`` validation, in ``step`` the checkpoint.
+FILTER_GROUPS, SLEEP, TESTING, SAVE_CHECKPOINT = "filter_groups", "sleep", "testing", "save_checkpoint"
+TRAINER_PHASES = (FILTER_GROUPS, SLEEP, *TRAIN_PHASES, TESTING, SAVE_CHECKPOINT)
+
+
+def stacked_phases(schedule: Schedule) -> tuple[str, ...]:
+    """Every phase a step may spend its time in under ``schedule``, in the order its plot stacks
+    them: the schedule's, then the trainer's (``STEP`` is their total; the background is beside)."""
+    return (*schedule.phases, *TRAINER_PHASES)
 
 
 class Trainer:
@@ -153,14 +177,14 @@ class Trainer:
     def step(self, step: int) -> Iterator[StepRecord]:
         record = StepRecord(step)
         SkipManager.set_step(step)
-        with record.timed("step"):
+        with record.timed(STEP):
             yield record
             record.metrics.update(self._engine_metrics())
             if self._due(self.settings.trainer.save_freq, step):
                 # The line goes out before the checkpoint: a run killed in between resumes after
                 # this step and must still have its metrics.
                 self.tracking.stage(self._metrics(record), step)
-                with record.timed("save_checkpoint"):
+                with record.timed(SAVE_CHECKPOINT):
                     self.save_checkpoint(record)
         if self.settings.trainer.save_train_data and record.batch is not None:
             save_train_data(self.run_dir, step, record.batch)
@@ -173,7 +197,7 @@ class Trainer:
         """The step's metrics; before the step's time is known (a staged line) without throughput."""
         batch = record.batch
         metrics = {**record.metrics, **self._batch_metrics(batch, record.step), **timing_metrics(record.timing, batch)}
-        if "step" in record.timing:
+        if STEP in record.timing:
             metrics.update(throughput_metrics(record.timing, batch))
         return metrics
 
@@ -191,7 +215,7 @@ class Trainer:
             after = self.loader.state_dict()
         # A checkpoint records the loader where the batch it trained was drawn, not further on:
         # an overlapped schedule has drawn the next batch already, which a resumed run must see.
-        batch.meta_info.update(loader_state=after, loader_state_before=before, epoch=before["epoch"])
+        batch.meta_info.update({LOADER_STATE: after, LOADER_STATE_BEFORE: before, EPOCH: before["epoch"]})
         return batch
 
     def generate(self, prompts: Batch, step: int, sample_id: str | None = None, generation: int = 0) -> Future:
@@ -199,8 +223,8 @@ class Trainer:
         (verl's pop, repeat, union). Skip roles see ``step`` as the call's trainer step; with
         ``sample_id`` (``sample_{epoch}_{index}``) it is one streamed prompt (``async_rollout``);
         ``generation`` numbers a step's extra generations (dynamic sampling)."""
-        state = prompts.meta_info.pop("loader_state", None)
-        for key in ("loader_state_before", "epoch"):  # bookkeeping, not part of what is generated
+        state = prompts.meta_info.pop(LOADER_STATE, None)
+        for key in (LOADER_STATE_BEFORE, EPOCH):  # bookkeeping, not part of what is generated
             prompts.meta_info.pop(key, None)
         if sample_id is None and generation == 0:
             self._loader_states[step] = state
@@ -211,9 +235,9 @@ class Trainer:
 
     async def _generate(self, batch: Batch, step: int, sample_id: str | None, generation: int) -> Batch:
         start = time.perf_counter()
-        base = int(batch.meta_info.get("index_base", 0))  # a streamed row is seeded as in its whole batch
+        base = int(batch.meta_info.get(INDEX_BASE, 0))  # a streamed row is seeded as in its whole batch
         gen_batch = generation_inputs(batch)
-        gen_batch.meta_info.update(global_steps=step, index_base=base)
+        gen_batch.meta_info.update({GLOBAL_STEPS: step, INDEX_BASE: base})
         if sample_id is None:
             with SkipManager.step_scope(step), SkipManager.generation_scope(generation):
                 output = await asyncio.to_thread(self.rollout.generate_sequences, gen_batch)
@@ -221,12 +245,12 @@ class Trainer:
             output = await self.rollout.generate_sequences_single(gen_batch, sample_id)
         batch.non_tensor_batch["uid"] = np.array([f"{step}:{base + i}" for i in range(len(batch))], dtype=object)
         batch = batch.repeat(self.settings.rollout.n, interleave=True).union(output)
-        batch.meta_info["generate_s"] = time.perf_counter() - start
+        batch.meta_info[GENERATE_S] = time.perf_counter() - start
         return batch
 
     def train(self, batch: Batch, record: StepRecord) -> None:
         if self.settings.algorithm.filter_groups.enable:
-            with record.timed("filter_groups"):  # the extra generations and the rewards they need
+            with record.timed(FILTER_GROUPS):  # the extra generations and the rewards they need
                 batch, metrics = self._filter_groups(batch, record.step)
             record.metrics.update(metrics)
         record.batch = batch
@@ -235,7 +259,7 @@ class Trainer:
         record.metrics["training/staleness"] = float(stale.mean())
         record.metrics["training/staleness_max"] = float(stale.max())
         if self.settings.resources.colocate:  # the actor gets the device; sync_weights wakes the engines
-            with record.timed("sleep"):
+            with record.timed(SLEEP):
                 self.rollout.sleep()
         self.phases.train(batch, record)
         self._actor_version = record.step
@@ -246,7 +270,7 @@ class Trainer:
 
         def generate(index: int) -> Batch:
             prompts = self.prompts()
-            prompts.meta_info.update(index_base=index * self.settings.generation_batch_size)
+            prompts.meta_info[INDEX_BASE] = index * self.settings.generation_batch_size
             batch = self.generate(prompts, step, generation=index).result()
             if step in self._loader_states:  # sync: the step's checkpoint resumes after these prompts
                 self._loader_states[step] = self.loader.state_dict()
@@ -272,7 +296,7 @@ class Trainer:
 
     def after_update(self, record: StepRecord, interrupt: bool = False) -> None:
         if self.val_set is not None and self._due(self.settings.trainer.test_freq, record.step):
-            with record.timed("testing"):
+            with record.timed(TESTING):
                 self._catch_up(interrupt)
                 record.metrics.update(self.validate(record.step))
 
@@ -282,7 +306,7 @@ class Trainer:
         """Greedy (``rollout.val_kwargs``) rollouts of the validation set; skip roles let them through."""
         batch = collate([self.val_set[i] for i in range(len(self.val_set))])
         gen_batch = generation_inputs(batch)
-        gen_batch.meta_info.update(global_steps=step, validate=True)
+        gen_batch.meta_info.update({GLOBAL_STEPS: step, VALIDATE: True})
         with spans.span("trainer/validate", step=step, phase="val"):
             output = self.rollout.generate_sequences(gen_batch)
         batch = batch.repeat(self.settings.rollout.val_kwargs.n, interleave=True).union(output)
@@ -347,7 +371,8 @@ class Trainer:
         if not steps:
             return
         self.console.print(summary_table(steps))
-        chart = plot(history, self.run_dir / "plot.png")  # with step 0: validation before training
+        # With step 0: validation before training.
+        chart = plot(history, self.run_dir / "plot.png", stacked_phases(self.schedule), self.schedule.background)
         self.console.print(f"metrics, checkpoints and {chart.name} in {self.run_dir}")
 
 
