@@ -30,7 +30,7 @@ from skip_core.plugins import registry
 from skip_core.sections import Sections, parse_sections
 from skip_plugin_arithmetic.calculator import Calculator
 from skip_plugin_arithmetic.task import problems, prompt
-from skip_plugin_hf.config import HFConfig
+from skip_plugin_hf.options import HFOptions
 from skip_plugin_trainer.algorithm_settings import ActorConfig
 from skip_plugin_trainer.rollout.agent_loop import AgentLoop, RolloutError
 from skip_plugin_trainer.rollout.tools import HermesParser
@@ -97,7 +97,7 @@ def backend(engine, tiny_model_dir, loop):
 
 @pytest.fixture(scope="module")
 def hf(tiny_model_dir, loop):
-    backend = create_backend("hf", Sections(HFConfig(device="cpu")), tiny_model_dir)
+    backend = create_backend("hf", Sections(HFOptions(device="cpu")), tiny_model_dir)
     yield backend
     loop(backend.shutdown())
 
@@ -270,7 +270,15 @@ def test_weights_updated_in_place_give_what_hf_gives_for_them(loop, backend, hf,
     assert [g.token_ids for g in generate_all(loop, backend, prompts, GREEDY)] == [g.token_ids for g in before]
 
 
-def test_pause_returns_partial_output_and_its_continuation_completes_it(loop, backend, prompts, noisy):
+async def until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)
+
+
+def test_pause_returns_partial_output_and_its_continuation_completes_it(loop, engine, backend, prompts, noisy):
+    """The pause lands once "cut" has a token, whatever the machine's speed: a one-token request
+    sent after it is answered first, and both engines schedule first come, first served, so that
+    answer comes from a step that gave "cut" its first token, or from a later one."""
     ids, budget = prompts[0], 400
     params = SamplingParams(temperature=0.0, max_new_tokens=budget)
     with weights(loop, noisy, backend):
@@ -279,20 +287,23 @@ def test_pause_returns_partial_output_and_its_continuation_completes_it(loop, ba
 
         async def interrupted():
             call = asyncio.ensure_future(backend.generate(ids, params, "cut"))
-            await asyncio.sleep(0.5)
+            await until(lambda: engine.unfinished(backend) >= 1)  # "cut" is in the engine
+            one = SamplingParams(temperature=0.0, max_new_tokens=1)
+            [after] = await backend.generate(prompts[1], one, "after")
             await backend.pause()
             [partial] = await call
             short = SamplingParams(temperature=0.0, max_new_tokens=2)
             waiting = asyncio.ensure_future(backend.generate(ids, short, "w"))
-            await asyncio.sleep(0.3)
+            await until(lambda: engine.unfinished(backend) >= 1 or waiting.done())
             assert not waiting.done(), "a request arriving while paused waits for resume"
             await backend.resume()
-            await waiting
+            [held] = await waiting
             rest = SamplingParams(temperature=0.0, max_new_tokens=budget - len(partial.token_ids))
             [tail] = await backend.generate(ids + partial.token_ids, rest, "cut")
-            return partial, tail
+            return after, partial, held, tail
 
-        partial, tail = loop(interrupted())
+        after, partial, held, tail = loop(asyncio.wait_for(interrupted(), timeout=120))
+    assert len(after.token_ids) == 1 and len(held.token_ids) == 2
     assert partial.finish_reason == "abort" and 0 < len(partial.token_ids) < budget
     assert partial.token_ids == whole.token_ids[: len(partial.token_ids)]
     assert partial.token_ids + tail.token_ids == whole.token_ids and tail.finish_reason == "length"
@@ -304,8 +315,7 @@ def test_cancelling_a_request_aborts_it_in_the_engine(loop, engine, backend, pro
         async def cancelled():
             params = SamplingParams(temperature=1.0, max_new_tokens=400, n=2, seed=3)
             call = asyncio.ensure_future(backend.generate(prompts[0], params, "cancelled"))
-            while engine.unfinished(backend) < 1:
-                await asyncio.sleep(0.01)
+            await until(lambda: engine.unfinished(backend) >= 1)
             call.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await call
@@ -348,8 +358,7 @@ def test_shutdown_ends_requests_in_flight_with_abort_and_refuses_new_ones(loop, 
     async def shut():
         params = SamplingParams(temperature=0.0, max_new_tokens=400)
         call = asyncio.ensure_future(backend.generate(prompts[0], params, "x"))
-        while engine.unfinished(backend) < 1:
-            await asyncio.sleep(0.01)
+        await until(lambda: engine.unfinished(backend) >= 1)
         await backend.shutdown()
         return await call
 

@@ -70,8 +70,25 @@ def test_names_from_disk_are_never_read_as_markup(cache, tmp_path):
     assert invoke("cache", "prune", tmp_path, "--dry-run").exit_code == 0
 
 
+def table_rows(output: str) -> list[list[str]]:
+    """The body rows of a table the CLI printed, each as its cells."""
+    return [[cell.strip() for cell in line.split("│")[1:-1]] for line in output.splitlines() if line.startswith("│")]
+
+
 def test_verify_accepts_a_single_step_directory(cache):
-    assert invoke("cache", "verify", cache.path(1)).exit_code == 0
+    corrupt_one_byte(cache.path(2) / "tensors.safetensors")  # another entry: not this one's business
+    result = invoke("cache", "verify", cache.path(1))
+    assert result.exit_code == 0
+    # role, step, samples, MB, status (hashes checked), entry: the directory itself
+    assert table_rows(result.output) == [["rollout", "1", "4", "0.0", "ok", "."]]
+    assert "all 1 entries verified" in result.output
+
+    corrupt_one_byte(cache.path(1) / "tensors.safetensors")  # the same size: only its hash shows it
+    result = invoke("cache", "verify", cache.path(1))
+    assert result.exit_code == 1 and "1 corrupt entry" in result.output
+    first = table_rows(result.output)[0]
+    assert (first[1], first[-1]) == ("1", ".")
+    assert "tensors.safetensors does not match its recorded hash" in result.output
 
 
 def test_prune_removes_corrupt_entries_and_old_leftovers_only(cache, tmp_path):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from itertools import groupby
 
 import pyarrow.parquet as pq
 import pytest
@@ -38,17 +39,20 @@ def expression(row) -> str:
     return expression_of(row["prompt"][0]["content"])
 
 
-def play(model, tokenizer, row, temperature: float = 1.0) -> str:
-    """One rollout of the protocol with ``generate``, the calculator run after each call."""
+def play(model, tokenizer, row, temperature: float = 1.0) -> tuple[list[str], str]:
+    """One rollout of the protocol with ``generate``, the calculator run after each call: the
+    model's turns, and the response as the reward reads it (tool responses included).
+    ``temperature`` 0 decodes greedily."""
     chat, parser = ChatFormat(tokenizer), HermesParser()
     ids = chat.prompt_ids(row["prompt"], [SCHEMA])
-    start = len(ids)
+    start, turns = len(ids), []
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {}
     for _ in range(3):
         prompt = torch.tensor([ids])
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=48, **sampling)
         ids += out[0, len(ids) :].tolist()
-        _, calls = parser.parse(tokenizer.decode(out[0, prompt.shape[1] :], skip_special_tokens=True))
+        turns.append(tokenizer.decode(out[0, prompt.shape[1] :], skip_special_tokens=True))
+        _, calls = parser.parse(turns[-1])
         if not calls:
             break
         try:
@@ -56,7 +60,34 @@ def play(model, tokenizer, row, temperature: float = 1.0) -> str:
         except ValueError as exc:
             result = str(exc)
         ids += chat.tool_response_ids([{"role": "tool", "content": result}])
-    return tokenizer.decode(ids[start:], skip_special_tokens=True)
+    return turns, tokenizer.decode(ids[start:], skip_special_tokens=True)
+
+
+# The two endings the warm-up demonstrates: as the prompt asks, or the equation restated.
+ANSWERED = re.compile(r"Answer: (-?\d+)")
+RESTATED = re.compile(r"[\d()+*\- ]+ = (-?\d+)")
+
+
+def off_protocol(turns: list[str]) -> str | None:
+    """Where ``turns`` leave the protocol of the task's demonstrations, or ``None``: one calculator
+    call per turn and nothing else, on an expression the calculator takes, then a last turn that
+    answers as the prompt asks (the reward reads its number) or restates the equation (scores 0)."""
+    *calling, last = turns
+    if not calling:
+        return "no calculator call"
+    for turn in calling:
+        text, calls = HermesParser().parse(turn)
+        if text or [call.name for call in calls] != ["calculator"]:
+            return f"not one calculator call: {turn!r}"
+        try:
+            evaluate(str(calls[0].arguments.get("expression")))
+        except ValueError as exc:
+            return f"the calculator refused {turn!r}: {exc}"
+    if answered := ANSWERED.fullmatch(last):
+        return None if score(last, answered[1]) == 1.0 else f"the reward does not read {last!r}"
+    if restated := RESTATED.fullmatch(last):
+        return None if score(last, restated[1]) == 0.0 else f"the reward scores a restatement: {last!r}"
+    return f"neither an answer nor the equation: {last!r}"
 
 
 def test_problems_are_deterministic_per_seed_and_split():
@@ -337,30 +368,63 @@ def test_a_demonstration_as_a_rollout_calls_one_operation_at_a_time_and_scores_b
     assert response.endswith(truth) and score(response, truth) == float(graded)
 
 
-def test_the_model_plays_the_protocol(tiny_model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+@pytest.mark.parametrize("graded", [True, False])
+def test_the_protocol_a_model_is_held_to_is_the_demonstrations(tiny_model_dir, graded):
+    """``off_protocol`` passes the warm-up's demonstrations, as a model would write them, and names
+    what a turn out of them breaks."""
+    from transformers import AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    torch.manual_seed(0)
-    response = play(model, tokenizer, rows("val", 1, seed=0)[0])
-    assert isinstance(response, str) and response
+    for posed, answer in problems("protocol", 16, seed=0):
+        conversation = arithmetic.demonstration(posed, answer, graded=graded)
+        ids, sampled = tiny_model.conversation_ids(ChatFormat(tokenizer), conversation, [SCHEMA])
+        runs = groupby(zip(ids, sampled, strict=True), key=lambda pair: pair[1])
+        turns = [tokenizer.decode([i for i, _ in run], skip_special_tokens=True) for by_model, run in runs if by_model]
+        assert off_protocol(turns) is None
+        assert off_protocol(turns[-1:]) == "no calculator call"
+        assert off_protocol([turns[0] + " 1", *turns[1:]]).startswith("not one calculator call")
+        assert off_protocol([*turns[:-1], turns[-1] + "!"]).startswith("neither an answer nor the equation")
 
 
-@pytest.mark.skipif(not os.environ.get("SKIP_CHECK_WARMUP"), reason="two minutes of CPU; set SKIP_CHECK_WARMUP=1")
-def test_default_warm_up_leaves_room_for_rl(tmp_path):
-    """The default model, measured: usually reaches the right number with the calculator, but
-    writes it as the prompt asks only about ``GRADED_SHARE`` of the time."""
+WARM_UP = pytest.mark.skipif(
+    not os.environ.get("SKIP_CHECK_WARMUP"), reason="two minutes of CPU; set SKIP_CHECK_WARMUP=1"
+)
+
+
+@pytest.fixture(scope="module")
+def default_model(tmp_path_factory):
+    """The embedded default as a run builds it (``warmup_steps`` 350): model, tokenizer, seconds to build."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.perf_counter()
-    assets = ArithmeticTask().prepare(tmp_path, ArithmeticOptions(), progress=False)
+    assets = ArithmeticTask().prepare(tmp_path_factory.mktemp("default"), ArithmeticOptions(), progress=False)
     built = time.perf_counter() - started
-    model = AutoModelForCausalLM.from_pretrained(assets.model_path)
-    tokenizer = AutoTokenizer.from_pretrained(assets.model_path)
+    return (
+        AutoModelForCausalLM.from_pretrained(assets.model_path),
+        AutoTokenizer.from_pretrained(assets.model_path),
+        built,
+    )
+
+
+@WARM_UP
+def test_the_model_plays_the_protocol(default_model):
+    """Greedy, on 16 validation problems: the calculator called, one operation a turn, then the
+    result as the prompt asks or the equation restated. The session's model (5 warm-up steps)
+    has not learnt it yet: that one answers greedily with nothing at all."""
+    model, tokenizer, _ = default_model
+    for row in rows("val", 16, seed=0):
+        turns, _ = play(model, tokenizer, row, temperature=0)
+        assert off_protocol(turns) is None, f"{expression(row)}: {off_protocol(turns)}"
+
+
+@WARM_UP
+def test_default_warm_up_leaves_room_for_rl(default_model):
+    """The default model, measured: usually reaches the right number with the calculator, but
+    writes it as the prompt asks only about ``GRADED_SHARE`` of the time."""
+    model, tokenizer, built = default_model
     torch.manual_seed(0)
     val = rows("val", 64, seed=0)
-    responses = [play(model, tokenizer, row) for row in val]
+    responses = [play(model, tokenizer, row)[1] for row in val]
     truths = [row["reward_model"]["ground_truth"] for row in val]
     reached = sum(text.endswith(truth) for text, truth in zip(responses, truths, strict=True))
     right = sum(score(text, truth) for text, truth in zip(responses, truths, strict=True))

@@ -4,8 +4,9 @@ import threading
 import numpy as np
 import pytest
 import torch
-from skip_core import Batch, SkipManager
+from skip_core import Batch, SkipManager, hookimpl
 from skip_core.encoding import read
+from skip_core.plugins import load_plugins
 from skip_core.store import scan
 from skip_plugin_async_rollout import feed_index
 from skiptests import run_config
@@ -23,6 +24,34 @@ class StreamingRollouter:
         self.ran.append(index)
         await asyncio.sleep(0)  # let the other samples interleave
         return Batch.from_dict({"responses": torch.full((1, 4), index)}, {"uid": prompts.non_tensor_batch["uid"]})
+
+
+class LookupBegun:
+    """``begun`` is set as a lookup of ``step`` begins, just before core's own: from then on the call
+    either waits for that entry or misses and runs its function."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.begun = step, threading.Event()
+
+    @hookimpl(tryfirst=True)
+    def skip_precondition(self, step):
+        if step == self.step:
+            self.begun.set()
+
+
+@pytest.fixture
+def lookup_begun():
+    """``lookup_begun(step)`` watches the lookups of ``step`` from now on, until the test ends."""
+    pm, made = load_plugins(), []
+
+    def watch(step: int) -> LookupBegun:
+        made.append(LookupBegun(step))
+        pm.register(made[-1])
+        return made[-1]
+
+    yield watch
+    for watcher in made:
+        pm.unregister(watcher)
 
 
 def sample(index: int, epoch: int = 0, uid: str | None = None) -> Batch:
@@ -74,7 +103,7 @@ def test_trainer_step_does_not_drive_the_async_role(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_thousand_concurrent_samples_each_resolve_load_and_dump_their_own_step(tmp_path, held_dumps):
+def test_a_thousand_concurrent_samples_each_resolve_load_and_dump_their_own_step(tmp_path, held_dumps, lookup_begun):
     count, held_sample = 1000, 8
     eligible = set(range(0, count, 2))
     held = held_dumps([held_sample])  # one sample's dump stays pending throughout
@@ -95,11 +124,17 @@ def test_a_thousand_concurrent_samples_each_resolve_load_and_dump_their_own_step
     for i, out in zip(others, replayed, strict=True):
         assert int(out.batch["responses"][0, 0]) == i
         assert out.equals(outputs[i])
+    # Still held: had a replay waited for it, the hold's timeout would have let it through first.
+    assert held_sample not in {int(p.name) for p in scan(tmp_path)}
+
+    lookup = lookup_begun(held_sample)
 
     async def held_then_released():
         call = asyncio.create_task(second.generate_sequences_single(sample(held_sample), f"sample_0_{held_sample}"))
-        await asyncio.sleep(0.5)
-        assert not call.done()  # waiting on its own pending dump
+        assert await asyncio.to_thread(lookup.begun.wait, 60)
+        # Its lookup is under way and the dump it needs is held: until the release it can only wait,
+        # or miss and run the function (which it never does: below).
+        assert not call.done()
         held.release(held_sample)
         return await call
 

@@ -2,12 +2,18 @@
 back from the run's own metrics and profile."""
 
 import json
+import threading
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from training import metrics, overrides, train
+from skip_core import hookimpl
+from skip_core.plugins import load_plugins
+from skip_core.schedule import GEN, GLOBAL_STEPS, STEP, WEIGHT_SYNC
+from skip_plugin_one_step_off.schedule import GENERATE_ASYNC
+from training import metrics, overrides, train, undeclared_phases
 
 ONE_STEP_OFF = (
     "trainer.schedule=one_step_off",
@@ -30,6 +36,51 @@ def end(span: dict) -> float:
     return span["start"] + span["duration_sec"]
 
 
+class Overlap:
+    """The driver's events in the order they happen, and a hold: step k's actor update begins only
+    once the generation of batch k+1 has begun (its rollout call's skip lookup), as one step off
+    promises. That schedule passes the hold at once, however slow the machine; a schedule that
+    started batch k+1 only after training step k would wait ``timeout`` s and leave it noted."""
+
+    def __init__(self, steps: list[int], timeout: float = 120) -> None:
+        self.timeout, self.timed_out = timeout, False
+        self.order: list[tuple[str, int]] = []  # appended from the driver's threads, one list.append each
+        self.generating = {step: threading.Event() for step in steps}
+
+    @hookimpl(tryfirst=True)
+    def skip_precondition(self, role, step, call):
+        # The run's rollout calls only: their prompts carry their step (train-only's look-ahead has none).
+        if role.name == "rollout" and getattr(call.prompts, "meta_info", {}).get(GLOBAL_STEPS) == step:
+            self.order.append(("generate", step))
+            if step in self.generating:
+                self.generating[step].set()
+
+    @hookimpl
+    def skip_span_sinks(self, worker):
+        return self if worker == -1 else None
+
+    def start(self, span) -> None:
+        if span.name == "trainer/update_actor":
+            step = span.attrs["step"]
+            following = self.generating.get(step + 1)
+            if following is not None and not self.timed_out and not following.wait(self.timeout):
+                self.timed_out = True
+                self.order.append(("hold timed out", step))
+            self.order.append(("update_actor begins", step))
+        elif span.name == f"trainer/{GEN}":
+            self.order.append(("gen begins", span.attrs["step"]))
+
+    def end(self, span) -> None:
+        if span.name == "trainer/update_actor":
+            self.order.append(("update_actor ends", span.attrs["step"]))
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 @dataclass
 class Profiled:
     directory: Path
@@ -38,19 +89,25 @@ class Profiled:
     driver: list[dict]
     rollouts: dict[int, dict]  # the worker's rollout span of each step's batch
     phases: dict[tuple[str, int], dict]  # the driver's trainer/<phase> span of each step
+    overlap: Overlap
 
 
 @pytest.fixture(scope="module")
 def profiled(ray_session, task_dir, tmp_path_factory) -> Profiled:
     """One profiled run, caching every batch, for the tests that read its metrics, its spans (one
-    clock: ``time.time()``) or its cache."""
+    clock: ``time.time()``), the driver's order of events (``Overlap``) or its cache."""
     tmp_path = tmp_path_factory.mktemp("one_step_off")
     profile = tmp_path / "profile"
-    trainer, _ = train(task_dir, tmp_path, *CACHED, "profiling.enable=true", f"profiling.dir={profile}")
+    overlap, plugins = Overlap(steps=[1, 2, 3, 4]), load_plugins()
+    plugins.register(overlap)
+    try:
+        trainer, _ = train(task_dir, tmp_path, *CACHED, "profiling.enable=true", f"profiling.dir={profile}")
+    finally:
+        plugins.unregister(overlap)
     driver, rollout = spans(profile, "-1"), spans(profile, "0")
     rollouts = {s["step"]: s for s in rollout if s["event"] == "rollout" and s["phase"] == "train"}
     phases = {(s["event"].removeprefix("trainer/"), s["step"]): s for s in driver if s["event"].startswith("trainer/")}
-    return Profiled(tmp_path, trainer, metrics(tmp_path / "run"), driver, rollouts, phases)
+    return Profiled(tmp_path, trainer, metrics(tmp_path / "run"), driver, rollouts, phases, overlap)
 
 
 @pytest.mark.loaded
@@ -59,17 +116,14 @@ def test_batches_train_exactly_one_update_stale_with_one_weight_push_per_step(pr
     # Batch 1 comes from the starting weights; every later one from the weights one update back.
     assert [row["training/staleness"] for row in rows] == [0, 1, 1, 1]
     for row in rows:
-        assert {
-            "timing_s/gen",
-            "timing_s/generate_async",
-            "timing_s/sync_rollout_weights",
-            "timing_s/step",
-        } <= row.keys()
-        assert "timing_s/update_weights" not in row
+        assert {f"timing_s/{phase}" for phase in (GEN, GENERATE_ASYNC, WEIGHT_SYNC, STEP)} <= row.keys()
         assert "timing_s/old_log_prob" not in row  # bypass: the rollout log-probs are the old ones
+    assert not undeclared_phases(profiled.trainer, rows)  # the trainer-schedule contract
 
     pushes = [s for s in profiled.driver if s["event"] == "weight_sync"]
-    assert len(pushes) == 1 + len(rows)  # one before the loop, then exactly one per step
+    # One before the loop, then exactly one per step, timed as the contract's weight sync.
+    timed_in = {s["span_id"]: s["event"] for s in profiled.driver}
+    assert Counter(timed_in.get(push["parent_id"]) for push in pushes) == {None: 1, f"trainer/{WEIGHT_SYNC}": len(rows)}
     assert sorted(rollouts) == [row["step"] for row in rows]
     for push in pushes:  # never while a generation runs
         assert all(end(push) <= r["start"] or push["start"] >= end(r) for r in rollouts.values())
@@ -77,17 +131,18 @@ def test_batches_train_exactly_one_update_stale_with_one_weight_push_per_step(pr
 
 @pytest.mark.loaded
 def test_generation_overlaps_training(profiled):
-    """Batch k+1 generates while step k updates the actor; the step's ``gen`` is only the wait
-    for a batch whose generation was already under way (ordering of spans, not durations)."""
-    rollouts, phases = profiled.rollouts, profiled.phases
+    """Batch k+1 generates while step k updates the actor, and the step's ``gen`` is only the
+    wait for a batch whose generation was already under way: the order of the driver's events,
+    which the schedule decides, with ``Overlap``'s hold making it independent of how fast each runs."""
+    order = profiled.overlap.order
     steps = [row["step"] for row in profiled.rows]
-    for step in steps[:-1]:
-        assert rollouts[step + 1]["start"] < end(phases["update_actor", step])  # overlap
-    for step in steps:
-        wait = phases["gen", step]
-        assert end(rollouts[step]) <= end(wait)  # the wait ends with the batch
-        if step > 1:  # the wait began after the update of the step before, with the batch generating
-            assert rollouts[step]["start"] < end(phases["update_actor", step - 1]) <= wait["start"]
+    assert not profiled.overlap.timed_out, order
+    for step in steps[:-1]:  # overlap: batch k+1 started before step k's update
+        assert order.index(("generate", step + 1)) < order.index(("update_actor begins", step)), order
+    for step in steps[1:]:  # the wait began after the update of the step before, the batch already generating
+        assert order.index(("generate", step)) < order.index(("update_actor ends", step - 1)), order
+        assert order.index(("update_actor ends", step - 1)) < order.index(("gen begins", step)), order
+    assert [event for event, _ in order].count("generate") == len(steps)  # one generation per step
 
 
 def test_a_cached_run_loads_every_batch_instead_of_generating(profiled, task_dir):
