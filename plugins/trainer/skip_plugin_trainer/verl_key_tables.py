@@ -1,0 +1,147 @@
+"""The tables of verl's keys under ``skip run`` (``verl_keys.py`` applies them): the aliases of
+skip's settings, the keys that change nothing here and why, and those skip accepts only at
+verl's default, with the reason. Each entry is a fact about verl 0.9.1's config; the corpus
+test (``tests/verl_corpus``) holds them against verl's launch scripts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: verl's path (a prefix) -> skip's, applied until none matches; the longest prefix first.
+ALIASES: dict[str, str] = {
+    "actor_rollout_ref.actor": "actor",
+    "actor_rollout_ref.rollout": "rollout",
+    "actor_rollout_ref.model": "model",
+    "actor_rollout_ref.ref": "ref",  # the frozen reference: skip keeps it beside the actor
+    "rollout.name": "rollout.backend",
+    "rollout.multi_turn.tool_config_path": "rollout.multi_turn.tools_config",
+    "rollout.multi_turn.max_assistant_turns": "rollout.multi_turn.max_turns",
+    "reward_model.overlong_buffer": "reward.overlong_buffer",  # verl 0.9's DAPO recipe
+    "reward.reward_kwargs.overlong_buffer_cfg": "reward.overlong_buffer",  # verl 0.10's
+    "custom_reward_function": "reward.custom_reward_function",  # verl 0.9's place; 0.10's is skip's
+    "algorithm.kl_ctrl.kl_coef": "algorithm.kl_coef",
+    "actor.optim.clip_grad": "actor.grad_clip",
+    # skip has one actor worker: a GPU's micro-batch is its micro-batch (memory only, either way)
+    "actor.ppo_micro_batch_size_per_gpu": "actor.ppo_micro_batch_size",
+    "critic.ppo_micro_batch_size_per_gpu": "critic.ppo_micro_batch_size",
+    "critic.optim.clip_grad": "critic.grad_clip",
+    "trainer.max_actor_ckpt_to_keep": "trainer.max_ckpt_to_keep",
+    "trainer.max_critic_ckpt_to_keep": "trainer.max_ckpt_to_keep",
+}
+
+_GPU = "they tune verl's GPU parallelism, memory or speed"
+_LOGS = "verl's own logging and files: skip logs with trainer.logger, and skip.rollout keeps every rollout"
+#: Keys (patterns over skip's paths) that change nothing computed here, and why.
+UNUSED: dict[str, str] = {
+    **dict.fromkeys(
+        [
+            "*_per_gpu",
+            "*.use_dynamic_bsz",
+            "*.log_prob_use_dynamic_bsz",
+            "*max_token_len*",
+            "*.fsdp_config.*",
+            "*.ulysses_sequence_parallel_size",
+            "*.use_remove_padding",
+            "*.enable_gradient_checkpointing",
+            "*.enable_activation_offload",
+            "*.use_fused_kernels",
+            "*.use_liger",
+            "*.use_shm",
+            "*.strategy",
+            "*.megatron.*",
+            "*.fsdp.*",
+            "*.nnodes",
+            "*.n_gpus_per_node",
+            "model_engine",
+            "actor_rollout_ref.hybrid_engine",
+            "ray_kwargs.*",
+            "*.use_torch_compile",
+            "*.entropy_checkpointing",
+            "*.entropy_from_logits_with_chunking",
+            "*.tensor_model_parallel_size",
+            "*.data_parallel_size",
+            "*.expert_parallel_size",
+            "*.pipeline_model_parallel_size",
+            "*.trust_remote_code",
+            "trainer.ray_wait_register_center_timeout",
+            "rollout.gpu_memory_utilization",
+            "rollout.enable_chunked_prefill",
+            "rollout.enable_prefix_caching",
+            "rollout.free_cache_engine",
+            "rollout.enforce_eager",
+            "rollout.load_format",
+            "rollout.layered_summon",
+            "rollout.max_num_batched_tokens",
+            "rollout.max_num_seqs",
+            "rollout.cudagraph_capture_sizes",
+            "rollout.disable_log_stats",
+            "rollout.agent.num_workers",
+            "rollout.checkpoint_engine.*",
+            "ref.*",
+            "data.dataloader_num_workers",
+            "data.filter_overlong_prompts_workers",
+            "data.val_batch_size",
+            "reward.num_workers",
+            "reward_model.num_workers",
+            "data.return_raw_input_ids",
+            "data.return_full_prompt",
+        ],
+        _GPU,
+    ),
+    **dict.fromkeys(
+        [
+            "trainer.log_val_generations",
+            "trainer.rollout_data_dir",
+            "trainer.validation_data_dir",
+            "reward.overlong_buffer.log",
+            "actor.checkpoint.*",
+            "critic.checkpoint.*",
+            "global_profiler.*",
+        ],
+        _LOGS,
+    ),
+    "trainer.balance_batch": "skip's actor is one data-parallel rank: there is nothing to balance",
+    "rollout.val_kwargs.do_sample": "verl's agent loop validates with val_kwargs.temperature, as skip does",
+    "rollout.over_sample_rate": "verl 0.9 reads it nowhere",
+    "*.optim.total_training_steps": "verl fills it with the run's length, as skip does",
+    "rollout.multi_stage_wake_up": "verl 0.9 reads it nowhere",
+    "rollout.calculate_log_probs": "skip's engines always return the sampled tokens' log-probs",
+    "data.return_raw_chat": "skip's agent loop always renders the raw chat itself",
+    "rollout.mode": "skip's agent loop is always verl's async (server) mode",
+    "algorithm.kl_ctrl.horizon": "verl reads it only with algorithm.kl_ctrl.type=adaptive, which skip refuses",
+    "algorithm.kl_ctrl.target_kl": "verl reads it only with algorithm.kl_ctrl.type=adaptive, which skip refuses",
+}
+
+#: Keys skip accepts only at verl's default: skip path -> (that default, what skip does instead).
+#: A tuple of defaults lists the spellings of one value.
+UNIMPLEMENTED: dict[str, tuple[Any, str]] = {
+    "actor.fsdp_config.model_dtype": (("fp32", "float32"), "skip trains in float32"),
+    "model.lora_adapter_path": (None, "skip's LoRA starts from new adapters (model.lora_rank)"),
+    "critic.model.lora_rank": (0, "skip's critic trains every weight (model.lora_rank is the actor's)"),
+    "model.external_lib": (None, "skip imports no module a config names"),
+    "model.override_config": ({}, "skip loads model.path's config as it is"),
+    "model.custom_chat_template": (None, "skip renders prompts with model.path's own chat template"),
+    "model.tokenizer_path": (None, "skip loads the tokenizer of model.path"),
+    "model.hf_config_path": (None, "skip loads model.path's config as it is"),
+    "data.tokenizer": (None, "skip loads the tokenizer of model.path"),
+    "data.reward_fn_key": ("data_source", "skip picks a row's scorer by its data_source"),
+    "data.custom_cls.path": (None, "skip reads data.train_files with its own dataset"),
+    "actor.policy_loss.loss_mode": ("vanilla", "skip's policy loss is verl's vanilla PPO clip"),
+    "actor.optim.zero_indexed_step": (True, "skip's schedule counts updates from 0"),
+    "actor.optim.optimizer": ("AdamW", "skip's optimizer is torch's AdamW"),
+    "critic.optim.optimizer": ("AdamW", "skip's optimizer is torch's AdamW"),
+    "actor.optim.optimizer_impl": ("torch.optim", "skip's optimizer is torch's AdamW"),
+    "critic.optim.optimizer_impl": ("torch.optim", "skip's optimizer is torch's AdamW"),
+    "critic.optim.zero_indexed_step": (True, "skip's schedule counts updates from 0"),
+    "algorithm.kl_ctrl.type": ("fixed", "skip's in-reward KL coefficient is fixed (algorithm.kl_coef)"),
+    "algorithm.use_pf_ppo": (False, "skip does not reweight samples by reward (PF-PPO)"),
+    "reward_model.enable": (False, "skip scores with a rule-based function (reward.function), no reward model"),
+    "reward.reward_model.enable": (False, "skip scores with a rule-based function (reward.function), no reward model"),
+    "data.train_max_samples": (-1, "skip trains on every row of data.train_files"),
+    "data.val_max_samples": (-1, "skip validates on every row of data.val_files"),
+    "trainer.val_only": (False, "skip run trains; validation runs every trainer.test_freq steps"),
+    "trainer.default_hdfs_dir": (None, "skip writes checkpoints to trainer.default_local_dir only"),
+    "trainer.use_v1": (True, "skip's trainer is its own; trainer.schedule picks its schedule"),
+    "trainer.v1.trainer_mode": ("sync", "skip's schedule is trainer.schedule (sync, one_step_off, fully_async)"),
+}
