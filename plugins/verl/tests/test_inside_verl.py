@@ -91,7 +91,9 @@ def verl_python(verl_venv, tmp_path_factory) -> Path:
     # Same version as last session's: pip would keep those, so they go first.
     installed = [tomllib.loads((copy / "pyproject.toml").read_text())["project"]["name"] for copy in copies]
     run(python, "-m", "pip", "uninstall", "--quiet", "-y", *installed, f"skip-plugin-{TEMPLATE_ROLE}")
-    run(python, *PIP, "--no-build-isolation", "-c", ROOT / "constraints.txt", *copies, role.dst_path)
+    # profiling with what `skip profile report` reads the logs with (in_verl/test_profiling.py runs it)
+    wanted = [f"{copy}[analysis]" if copy.name == "profiling" else copy for copy in copies]
+    run(python, *PIP, "--no-build-isolation", "-c", ROOT / "constraints.txt", *wanted, role.dst_path)
     return python
 
 
