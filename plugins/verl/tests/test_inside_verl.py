@@ -66,11 +66,13 @@ def _cached_venv() -> Path:
 @pytest.fixture(scope="module")
 def verl_venv() -> Path:
     """A venv with verl 0.9.1: ``$SKIP_VERL_VENV``, or the one kept in the user's cache."""
-    home = Path(os.environ.get("SKIP_VERL_VENV") or _cached_venv()).absolute()
+    kept = os.environ.get("SKIP_VERL_VENV")
+    home = Path(kept or _cached_venv()).absolute()
     home.parent.mkdir(parents=True, exist_ok=True)
     with open(home.parent / f"{home.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another session building it: wait for its venv
-        if not (home / ".complete").exists():
+        # A venv the user named is theirs as it is (one built before the marker has none).
+        if not (home / ".complete").exists() and not (kept and (home / "bin" / "python").exists()):
             shutil.rmtree(home, ignore_errors=True)  # what an interrupted build left
             run(sys.executable, "-m", "venv", home)
             run(home / "bin" / "python", *PIP, "-c", ROOT / "constraints.txt", *REQUIREMENTS)
