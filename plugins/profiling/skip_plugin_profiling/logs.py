@@ -233,9 +233,13 @@ def _read_fast(data: bytes) -> pa.Table | None:
     if _most_brackets(data) > MAX_DEPTH:
         return None
     try:
-        return pj.read_json(io.BytesIO(data), read_options=pj.ReadOptions(use_threads=False))
+        table = pj.read_json(io.BytesIO(data), read_options=pj.ReadOptions(use_threads=False))
+        # pyarrow 26 builds a list of nulls (``[null, null]``) one value short: an array that
+        # crashes whatever reads it. The slow path builds such lists whole.
+        table.validate(full=True)
     except (pa.ArrowException, ValueError):  # garbage, a type that changes, not UTF-8 (UnicodeDecodeError)
         return None
+    return table
 
 
 def _most_brackets(data: bytes) -> int:

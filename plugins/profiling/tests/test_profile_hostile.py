@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from skip_core.cli import cli
 from skip_core.spans import Span
@@ -194,7 +194,19 @@ LINES = st.one_of(
 )
 
 
+def test_a_list_of_nulls_keeps_its_line(tmp_path):
+    """pyarrow 26's JSON reader builds ``[null, null]`` one value short, and any read of the array
+    crashed the report; the file now goes the slow way and the span is read."""
+    log = tmp_path / "step_1" / "worker_0.jsonl"
+    log.parent.mkdir(parents=True)
+    span = {"event": "generate", "duration_sec": 0.5, "start": 1700000000, "extra": {"tool_calls": [None, None]}}
+    log.write_text(json.dumps(span) + "\n")
+    rows = read_logs(tmp_path).table.to_pylist()
+    assert [(row["event"], row["tool_calls"]) for row in rows] == [("generate", [None, None])]
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@example(hostile=[(0, b'{"": [null, null]}')], cut=0)  # found by the search: a crash before the fix
 @given(hostile=st.lists(st.tuples(st.integers(0, 40), LINES), min_size=1, max_size=6), cut=st.integers(0, 30))
 def test_hostile_lines_neither_crash_nor_change_the_valid_ones(valid, tmp_path_factory, hostile, cut):
     root, lines = valid
