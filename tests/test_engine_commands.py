@@ -3,9 +3,8 @@ through tests/sglang_cpu): the engine in the Ray rollout worker (``skip run``) a
 command's process (``skip rollout``), at the default batch of 16 prompts x 4 samples, the size at
 which a prefill split across steps killed vLLM's engine on CPU (see its options.py). Whether a
 run splits one depends on how fast its requests reach the engine; test_backend_contract.py
-holds the batch behind a pause so that it must. ``skip run`` under ``sync`` (the engine's
-log-probs checked against the trainer's), ``one_step_off`` and ``fully_async`` runs across two
-Ray nodes in test_two_nodes.py."""
+holds the batch behind a pause so that it must. ``skip run`` under ``sync`` on each engine (the
+engine's log-probs checked against the trainer's) runs across two Ray nodes in test_two_nodes.py."""
 
 import pytest
 from click.testing import CliRunner

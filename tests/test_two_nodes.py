@@ -4,8 +4,10 @@ in its own mount namespace with a private ``/dev/shm`` (its object store) and te
 move between the nodes as between machines. The rollout pool asks for ``node_b``, which only
 the worker node offers, and the actor pool for ``node_a``. The run, cache and profile directories
 lie under the test's directory, which both nodes see, as on NFS. The driver runs on the head.
-Each schedule runs with ``hf``, ``vllm`` and ``sglang`` (on CPU through tests/sglang_cpu); a
-third node, lost mid-run, stops the run.
+Every engine (``hf``, ``vllm`` and ``sglang``, on CPU through tests/sglang_cpu) samples across
+the nodes with the weights the trainer sent over; the overlapped schedules cross them on ``hf``
+(what they ask of an engine, pause, resume and weights loaded under requests in flight, is
+test_engine_commands.py's, on each engine); a third node, lost mid-run, stops the run.
 
 Giving a process its own mount namespace needs CAP_SYS_ADMIN (CI runs as root); without it the
 tests skip and say so.
@@ -55,9 +57,6 @@ VLLM = (
     "rollout.engine_kwargs.vllm.dtype=float32",
 )
 SGLANG = ("rollout.backend=sglang", "rollout.engine_kwargs.sglang.dtype=float32")
-# Every engine crosses the nodes in sync (its weights, above); the overlapped schedules cross them
-# on hf and on SGLang, whose start is the cheaper (vLLM's overlapped runs are in test_engine_commands).
-OVERLAPPED_ENGINES = pytest.mark.parametrize("backend", [(), SGLANG], ids=["hf", "sglang"])
 
 
 def test_sync_with_caching_and_profiling_across_two_nodes(cluster, task_dir, tmp_path):
@@ -87,16 +86,14 @@ def test_sync_on_an_engine_across_two_nodes_samples_with_the_trainers_weights(cl
         assert row["response_length/mean"] > 0
 
 
-@OVERLAPPED_ENGINES
-def test_one_step_off_across_two_nodes(cluster, task_dir, tmp_path, backend):
-    skip_run(cluster, task_dir, tmp_path, *RUN, "trainer.schedule=one_step_off", *backend)
+def test_one_step_off_across_two_nodes(cluster, task_dir, tmp_path):
+    skip_run(cluster, task_dir, tmp_path, *RUN, "trainer.schedule=one_step_off")
     assert [row["training/staleness"] for row in metrics(tmp_path / "run")] == [0.0, 1.0]
 
 
-@OVERLAPPED_ENGINES
-def test_fully_async_with_caching_across_two_nodes(cluster, task_dir, tmp_path, backend):
+def test_fully_async_with_caching_across_two_nodes(cluster, task_dir, tmp_path):
     cached = ("skip.async_rollout.enable=true", "skip.async_rollout.steps=1..16")
-    skip_run(cluster, task_dir, tmp_path, *RUN, "trainer.schedule=fully_async", *backend, *cached)
+    skip_run(cluster, task_dir, tmp_path, *RUN, "trainer.schedule=fully_async", *cached)
     assert [row["step"] for row in metrics(tmp_path / "run")] == [1, 2]
     assert len(list((tmp_path / "cache").glob("*/async_rollout/GBS*/*"))) >= 8  # one entry per streamed prompt
 
@@ -109,7 +106,7 @@ def test_a_node_lost_with_no_room_left_stops_the_run_with_one_line_and_how_to_re
     then stops with one line."""
     steps = ("trainer.total_training_steps=3", "trainer.test_freq=0", "trainer.save_freq=1")
     placed = ("resources.rollout.ray_resources={node_c:1}", "resources.actor.ray_resources={node_a:1}")
-    command = on_the_head(cluster, task_dir, tmp_path, *steps, *placed, "resources.rollout.restart_timeout_s=20")
+    command = on_the_head(cluster, task_dir, tmp_path, *steps, *placed, "resources.rollout.restart_timeout_s=10")
     short = tmp_path_factory.mktemp("c")  # its sockets' paths must stay under 108 bytes
     with another_node(short, cluster[1], "node_c") as node:
         run = subprocess.Popen(
@@ -123,8 +120,8 @@ def test_a_node_lost_with_no_room_left_stops_the_run_with_one_line_and_how_to_re
     (line,) = [line for line in (out + err).splitlines() if line.startswith("Error:")]
     died = r"Error: skip run stopped at step [23]: rollout worker 0 \(pid \d+ on node \S+ \(\w+\)\) died at step [23], "
     assert re.match(died, line), line
-    assert "its node is gone and no node left took the worker within 20 s" in line
-    assert re.search(r"rollout worker 0 \(.*\) was lost with its node at step [23]; waiting up to 20 s", err), err[
+    assert "its node is gone and no node left took the worker within 10 s" in line
+    assert re.search(r"rollout worker 0 \(.*\) was lost with its node at step [23]; waiting up to 10 s", err), err[
         -3000:
     ]
     assert re.search(r"resume from the newest checkpoint \(.*global_step_[12]\) with `skip run ", line)
