@@ -107,6 +107,19 @@ def test_prune_removes_corrupt_entries_and_old_leftovers_only(cache, tmp_path):
     assert invoke("cache", "verify", tmp_path).exit_code == 0
 
 
+def test_a_long_path_stays_on_one_line_in_a_pipe(tmp_path):
+    """Pipes and CI logs are no terminal: a line naming a path is never folded (a grep finds it)."""
+    deep = tmp_path / ("d" * 100) / ("e" * 100)
+    store = CacheStore(deep, NS, role="rollout")
+    store.save(1, make_batch(seed=1))
+    corrupt_one_byte(store.path(1) / "data.json")
+
+    result = invoke("cache", "prune", deep, "--dry-run")
+
+    assert len(str(store.path(1))) > 250
+    assert f"would remove {store.path(1)} (corrupt" in result.output.splitlines()[0]
+
+
 def test_prune_keeps_a_directory_holding_files_skip_did_not_write(cache, tmp_path):
     verl_dump = cache.path(4)
     verl_dump.mkdir()

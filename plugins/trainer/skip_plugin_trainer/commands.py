@@ -10,9 +10,8 @@ from typing import Any
 
 import click
 from rich.console import Console
+from skip_core.cli import console
 
-# Pipes and CI logs get 80 columns by default, which would fold every path; give them room.
-console = Console(width=None if Console().is_terminal else 160)
 #: The package holding the shipped configs, for Hydra (``pkg://``).
 CONFIGS_PACKAGE = "skip_plugin_trainer.configs"
 

@@ -6,9 +6,7 @@ import sys
 from pathlib import Path
 
 import click
-from rich.console import Console
-
-console = Console(width=None if Console().is_terminal else 160)
+from skip_core.cli import console
 
 
 def register(cli: click.Group) -> None:
