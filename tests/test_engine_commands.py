@@ -9,7 +9,7 @@ engine's log-probs checked against the trainer's) runs across two Ray nodes in t
 import pytest
 from click.testing import CliRunner
 from skip_core.cli import cli
-from skip_core.store import verify
+from skip_core.entries import verify
 from skiptests import CONFIGS, SMALL
 from training import metrics, train
 

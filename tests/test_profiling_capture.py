@@ -20,10 +20,10 @@ from click.testing import CliRunner
 from skip_core import encoding, spans
 from skip_core.cli import cli
 from skip_core.config import ConfigError
+from skip_core.entries import scan
 from skip_core.plugins import registry
 from skip_core.schedule import GEN, STEP, WEIGHT_SYNC
 from skip_core.sections import parse_sections
-from skip_core.store import scan
 from skip_plugin_profiling.recorder import ProfilingWarning, Recorder
 from skip_plugin_trainer.commands import compose_config
 from skiptests import CONFIGS, SMALL

@@ -17,10 +17,11 @@ import torch
 from skip_core import Batch, ConfigError, Role, RoleConfig, SkipManager
 from skip_core import plugins as plugin_loading
 from skip_core.config import install_hint
+from skip_core.entries import META, scan, verify
 from skip_core.plugins import distribution, pm, registry
 from skip_core.roles import Call
 from skip_core.sections import parse_roles
-from skip_core.store import META, CacheWarning, scan, verify
+from skip_core.store import CacheWarning
 from skiptests import NS, ROOT, corrupt_one_byte, run_config
 
 ROLES = sorted(registry().roles)

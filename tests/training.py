@@ -97,6 +97,6 @@ def held_command(task_dir, tmp_path, role: str, step: int, marker: Path, *more):
 
 
 def fingerprints(cache: Path) -> dict[str, str]:
-    from skip_core.store import scan, verify
+    from skip_core.entries import scan, verify
 
     return {p.name: verify(p)["fingerprint"] for p in scan(cache)}

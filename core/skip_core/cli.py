@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from skip_core import store as cache_store
+from skip_core import entries as cache_entries
 from skip_core.errors import TRACEBACK_SWITCH, SkipError
 
 # Pipes and CI logs get 80 columns by default, which would fold every path: give tables room, and
@@ -92,11 +92,11 @@ def cache() -> None:
 
 
 def _entries(directory: Path, deep: bool):
-    for path in cache_store.scan(directory):
+    for path in cache_entries.scan(directory):
         try:
-            meta = cache_store.verify(path, deep=deep, root=directory)
+            meta = cache_entries.verify(path, deep=deep, root=directory)
             yield path, meta, None
-        except cache_store.CorruptEntry as exc:
+        except cache_entries.CorruptEntry as exc:
             yield path, None, str(exc)
 
 
@@ -151,10 +151,10 @@ def cache_prune(directory: Path, dry_run: bool, min_age: float) -> None:
     # A directory holding files skip did not write (a verl dump) is the user's, corrupt or not;
     # a link is removed, never what it points to.
     entries = _entries(directory, deep=True)
-    doomed = [(p, f"corrupt: {why}") for p, _, why in entries if why and not cache_store.foreign_files(p)]
+    doomed = [(p, f"corrupt: {why}") for p, _, why in entries if why and not cache_entries.foreign_files(p)]
     now = time.time()
-    for path in cache_store.leftovers(directory):
-        if cache_store.abandoned_leftover(path) or now - path.lstat().st_mtime >= min_age:
+    for path in cache_entries.leftovers(directory):
+        if cache_entries.abandoned_leftover(path) or now - path.lstat().st_mtime >= min_age:
             doomed.append((path, "leftover of an interrupted dump"))
     if dry_run:
         for path, why in doomed:

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 from skip_core import spans
 from skip_core.caching import SetupMismatchWarning
 from skip_core.config import ConfigError, Namespace, RoleConfig, StepSet, select
+from skip_core.entries import CorruptEntry
 from skip_core.errors import SkipError
 from skip_core.layout import Layout
 from skip_core.plugins import pm, registry
@@ -37,7 +38,7 @@ from skip_core.provenance import Setup
 from skip_core.roles import Call, Role, prompts_of, prompts_position
 from skip_core.schedule import VALIDATE
 from skip_core.sections import parse_roles
-from skip_core.store import CacheStore, CacheWarning, CorruptEntry, PendingWrite
+from skip_core.store import CacheStore, CacheWarning, PendingWrite
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -21,10 +21,11 @@ from skip_core import Batch, SkipManager
 from skip_core.caching import PromptMismatchError, SetupMismatchError, SetupMismatchWarning
 from skip_core.cli import cli
 from skip_core.config import RoleConfig, StepSet, parse_section
+from skip_core.entries import META, seal
 from skip_core.layout import Column, Layout
 from skip_core.provenance import Setup, model_digest
 from skip_core.reading import nesting
-from skip_core.store import META, CacheStore, CacheWarning, seal
+from skip_core.store import CacheStore, CacheWarning
 from skiptests import NS, ROOT, make_prompts, run_config
 
 LAYOUT = Layout({"responses": Column("int64", "response"), "rollout_log_probs": Column("float32", "response")})

@@ -12,7 +12,8 @@ import torch
 from omegaconf import OmegaConf
 from skip_core import Batch, SkipManager, encoding
 from skip_core.caching import PromptMismatchError, PromptMismatchWarning
-from skip_core.store import CacheWarning, file_digest, scan, verify
+from skip_core.entries import file_digest, scan, verify
+from skip_core.store import CacheWarning
 from skiptests import Generator, make_prompts, run_config
 
 

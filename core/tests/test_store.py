@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from skip_core import Batch, ConfigError, SkipManager
 from skip_core.config import Namespace
 from skip_core.encoding import fingerprint
-from skip_core.store import CacheStore, CacheWarning, file_digest, leftovers, safe_name, verify
+from skip_core.entries import file_digest, leftovers, verify
+from skip_core.store import CacheStore, CacheWarning, safe_name
 from skiptests import NS, Generator, corrupt_one_byte, make_batch, make_prompts, run_config
 
 

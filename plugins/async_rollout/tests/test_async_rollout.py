@@ -6,8 +6,8 @@ import pytest
 import torch
 from skip_core import Batch, SkipManager, hookimpl
 from skip_core.encoding import read
+from skip_core.entries import scan
 from skip_core.plugins import load_plugins
-from skip_core.store import scan
 from skip_plugin_async_rollout import feed_index
 from skiptests import run_config
 

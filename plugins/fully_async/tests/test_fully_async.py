@@ -6,8 +6,8 @@ import math
 import pytest
 from click.testing import CliRunner
 from skip_core.cli import cli
+from skip_core.entries import scan, verify
 from skip_core.schedule import WEIGHT_SYNC
-from skip_core.store import scan, verify
 from skiptests import CONFIGS
 from training import metrics, overrides, train, undeclared_phases
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from skip_core import encoding, files, store
+from skip_core import encoding, entries, files
 from skip_core.encoding import EncodingError
 from skip_plugin_trainer.train import shards
 from skip_plugin_trainer.train.checkpoint import (
@@ -262,7 +262,7 @@ def list_in_manifest(checkpoint: Path, name: str, file: Path) -> None:
     file.parent.mkdir(parents=True, exist_ok=True)
     save_file({"w": torch.zeros(3)}, str(file))
     manifest = json.loads((checkpoint / MANIFEST).read_text())
-    manifest["files"][name] = store.seal(file)
+    manifest["files"][name] = entries.seal(file)
     (checkpoint / MANIFEST).write_text(json.dumps(manifest))
 
 
@@ -303,7 +303,7 @@ def test_a_state_recording_shards_no_model_can_read_is_corrupt(tmp_path, shards)
     state["shards"] = shards
     (checkpoint / STATE).write_text(json.dumps(state))
     manifest = json.loads((checkpoint / MANIFEST).read_text())
-    manifest["files"][STATE] = store.seal(checkpoint / STATE)
+    manifest["files"][STATE] = entries.seal(checkpoint / STATE)
     (checkpoint / MANIFEST).write_text(json.dumps(manifest))
 
     with pytest.raises(CorruptCheckpoint, match=r"cannot decode: state\.json records"):
@@ -358,7 +358,9 @@ def write_format_1(directory: Path, step: int, model, optimizer, trainer, rng) -
         "format": "skip-checkpoint",
         "version": 1,
         "step": step,
-        "files": {name: store.seal(directory / name) for name in ("model.safetensors", "optimizer.safetensors", STATE)},
+        "files": {
+            name: entries.seal(directory / name) for name in ("model.safetensors", "optimizer.safetensors", STATE)
+        },
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     files.write_synced(directory / MANIFEST, json.dumps(manifest, indent=1).encode())
@@ -422,7 +424,7 @@ def fail_sealing(monkeypatch):
     def seal(path):
         raise OSError("disk full")
 
-    monkeypatch.setattr(store, "seal", seal)
+    monkeypatch.setattr(entries, "seal", seal)
     return OSError, {}
 
 
@@ -573,7 +575,7 @@ def test_pruning_hashes_only_checkpoints_this_process_has_not_verified(tmp_path,
     save_simple(CheckpointManager(tmp_path / "elsewhere"), 3)
     os.rename(tmp_path / "elsewhere" / "global_step_3", run / "global_step_3")  # another process's checkpoint
     hashed = []
-    digest = store.fd_digest
+    digest = entries.fd_digest
 
     def counted(fd):
         path = Path(os.readlink(f"/proc/self/fd/{fd}"))  # the file the descriptor hashed is open on
@@ -581,7 +583,7 @@ def test_pruning_hashes_only_checkpoints_this_process_has_not_verified(tmp_path,
         hashed.extend(parent.name for parent in path.parents if STEP_DIR.fullmatch(parent.name))
         return digest(fd)
 
-    monkeypatch.setattr(store, "fd_digest", counted)
+    monkeypatch.setattr(entries, "fd_digest", counted)
     save_simple(manager, 4)
     assert hashed == ["global_step_3"] * 3 and manager.steps() == [3, 4]  # state.json, state.safetensors, the shard
     save_simple(manager, 5)

@@ -12,8 +12,9 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 from skip_core.caching import PromptMismatchError, SetupMismatchWarning
 from skip_core.cli import cli
+from skip_core.entries import META, seal
 from skip_core.manager import SkipManager
-from skip_core.store import META, CacheWarning, seal
+from skip_core.store import CacheWarning
 from skiptests import CONFIGS
 from training import metrics, overrides, train
 

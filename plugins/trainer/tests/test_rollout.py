@@ -5,7 +5,7 @@ import re
 import pytest
 from click.testing import CliRunner
 from skip_core.cli import cli
-from skip_core.store import verify
+from skip_core.entries import verify
 from skiptests import CONFIGS, SMALL
 
 

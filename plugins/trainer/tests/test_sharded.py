@@ -219,7 +219,7 @@ def test_shards_that_verify_but_do_not_fit_the_model_stop_the_resume_in_one_line
     from click.testing import CliRunner
     from safetensors import safe_open
     from safetensors.torch import save_file
-    from skip_core import store
+    from skip_core import entries
     from skip_core.cli import cli
     from skiptests import CONFIGS
     from training import overrides
@@ -232,7 +232,7 @@ def test_shards_that_verify_but_do_not_fit_the_model_stop_the_resume_in_one_line
             metadata, tensors = f.metadata(), {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
         tensors.pop("model.model.norm.weight")
         save_file(tensors, str(shard), metadata=metadata)
-        manifest["files"]["actor/" + shard.name] = store.seal(shard)
+        manifest["files"]["actor/" + shard.name] = entries.seal(shard)
     (checkpoint / "manifest.json").write_text(json.dumps(manifest))
 
     resume = ("trainer.resume_mode=resume_path", f"trainer.resume_from_path={checkpoint}", *KL)

@@ -13,8 +13,8 @@ from click.testing import CliRunner
 from rich.console import Console
 from skip_core import ConfigError, encoding
 from skip_core.cli import cli
+from skip_core.entries import scan, verify
 from skip_core.schedule import GEN, STEP, WEIGHT_SYNC
-from skip_core.store import scan, verify
 from skip_plugin_trainer.commands import compose_config
 from skip_plugin_trainer.train.trainer import Trainer
 from skiptests import CONFIGS

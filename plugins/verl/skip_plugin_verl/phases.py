@@ -38,9 +38,10 @@ from typing import Any
 import numpy as np
 from skip_core import Role, SkipManager, spans
 from skip_core.batch import Batch
+from skip_core.entries import CorruptEntry
 from skip_core.plugins import pm
 from skip_core.roles import Call
-from skip_core.store import CacheStore, CacheWarning, CorruptEntry
+from skip_core.store import CacheStore, CacheWarning
 
 from skip_plugin_verl import served
 from skip_plugin_verl.tensordicts import PROMPT, prompt_digests, to_batch, to_tensordict

@@ -15,8 +15,9 @@ from typing import Any
 from safetensors import SafetensorError
 from skip_core import reading
 from skip_core.config import Namespace
+from skip_core.entries import GENERATION, STEP_NAME, CorruptEntry, scan, verify
 from skip_core.errors import SkipError
-from skip_core.store import GENERATION, STEP_NAME, CacheStore, CorruptEntry, Entry, scan, verify
+from skip_core.store import CacheStore, Entry
 
 METRICS = "metrics.jsonl"
 #: The cache roles whose results ``skip diff`` compares, in the order a step computes them.

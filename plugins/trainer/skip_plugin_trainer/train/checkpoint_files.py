@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from skip_core import encoding, files, reading, store
+from skip_core import encoding, entries, files, reading
 
 FORMAT = "skip-checkpoint"
 VERSION = 2
@@ -93,7 +93,7 @@ def write(
         "format": FORMAT,
         "version": VERSION,
         "step": step,
-        "files": {name: store.seal(directory / name) for name in listed},
+        "files": {name: entries.seal(directory / name) for name in listed},
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     files.write_synced(directory / MANIFEST, json.dumps(manifest, indent=1).encode())
@@ -213,7 +213,7 @@ def _check_file(path: Path, name: str, expected: Any) -> int:
         with reading.opened(file, limit=size, root=path) as fd:
             if os.fstat(fd).st_size != size:
                 raise CorruptCheckpoint(path, f"{name} has {os.fstat(fd).st_size} bytes, manifest records {size}")
-            if store.fd_digest(fd) != expected.get("xxh3_128"):
+            if entries.fd_digest(fd) != expected.get("xxh3_128"):
                 raise CorruptCheckpoint(path, f"{name} does not match its recorded hash")
     except reading.UnsafeFile as exc:
         raise CorruptCheckpoint(path, str(exc)) from None

@@ -24,7 +24,8 @@ import skip_core
 from omegaconf import OmegaConf
 from safetensors import safe_open
 from skip_core.config import ConfigError
-from skip_core.store import CacheWarning, verify
+from skip_core.entries import verify
+from skip_core.store import CacheWarning
 from verl.utils.skip import SkipManager
 
 from conftest import SHAPE, plant_verl_dump, prompts, run_config, same
