@@ -75,11 +75,12 @@ def test_core_is_small():
     # it), the guards every engine repeated are core's (``GuardedBackend``) and the registry is
     # computed once per set of plugins, and 3957 since the schedule contract names its words:
     # the ``meta_info`` keys the parties share and the phases a step is timed in, 3963 since a
-    # stopped loop thread closes its loop, 3993 since a step directory's checks left the store
-    # for a module of their own (``entries``: its docstring and imports) and commands never fold
-    # a line off a terminal (issue 40); a bound still, so that growth is a decision.
+    # stopped loop thread closes its loop, 3996 since a step directory's checks left the store
+    # for a module of their own (``entries``: its docstring and imports) and every command prints
+    # to one console that never folds a line off a terminal (``console``, issue 40); a bound
+    # still, so that growth is a decision.
     lines = sum(len(path.read_text().splitlines()) for path in modules("core").values())
-    assert lines <= 3993, f"skip-core has {lines} lines"
+    assert lines <= 3996, f"skip-core has {lines} lines"
 
 
 def test_core_imports_no_plugin_even_by_name():

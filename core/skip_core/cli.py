@@ -10,17 +10,12 @@ import warnings
 from pathlib import Path
 
 import click
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from skip_core import entries as cache_entries
+from skip_core.console import console
 from skip_core.errors import TRACEBACK_SWITCH, SkipError
-
-# Pipes and CI logs get 80 columns by default, which would fold every path: give tables room, and
-# never fold a line there (a path cut in two is found by no grep).
-_TERMINAL = Console().is_terminal
-console = Console(width=None if _TERMINAL else 160, soft_wrap=not _TERMINAL)
 
 
 def _table(*columns: str, **options) -> Table:

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 from rich.console import Console
-from skip_core.cli import console
+from skip_core.console import console
 
 #: The package holding the shipped configs, for Hydra (``pkg://``).
 CONFIGS_PACKAGE = "skip_plugin_trainer.configs"

@@ -1,7 +1,10 @@
 """``skip run`` and ``skip rollout`` as commands: where the configs come from, Hydra composition
 and its errors. Every key a declared section's model has can be overridden, and no other."""
 
+import json
 import re
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -90,3 +93,13 @@ def test_a_config_that_is_nowhere_names_where_it_was_looked_for(tmp_path):
 def test_other_hydra_errors_are_usage_errors():
     result = invoke("run", "trainer.seed")
     assert result.exit_code == 2 and "trainer.seed" in result.output
+
+
+def test_the_commands_module_imported_first_still_gives_skip_its_commands():
+    """A script (or a test) importing the trainer's commands before ``skip_core.cli``: the cli
+    then loads the plugins' commands, this module's among them, with no circular import."""
+    code = "import json, skip_plugin_trainer.commands\nfrom skip_core.cli import cli\nprint(json.dumps(sorted(cli.commands)))"
+    done = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert {"run", "rollout", "diff"} <= set(json.loads(done.stdout)), done.stdout
+

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import click
-from skip_core.cli import console
+from skip_core.console import console
 
 
 def register(cli: click.Group) -> None:
