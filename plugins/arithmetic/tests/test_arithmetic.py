@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from skip_core.config import ConfigError, parse_section
 from skip_core.files import owned, replacing
 from skip_core.plugins import registry
-from skip_plugin_arithmetic import record, tiny_model
+from skip_plugin_arithmetic import record, tiny_model, warmup
 from skip_plugin_arithmetic import task as arithmetic
 from skip_plugin_arithmetic.calculator import SCHEMA, evaluate
 from skip_plugin_arithmetic.task import (
@@ -359,7 +359,7 @@ def test_a_demonstration_as_a_rollout_calls_one_operation_at_a_time_and_scores_b
     (row,) = [r for r in rows("val", 8, seed=0) if expression(r).startswith("(")][:1]
     truth = row["reward_model"]["ground_truth"]
     conversation = arithmetic.demonstration(expression(row), truth, graded=graded)
-    ids, sampled = tiny_model.conversation_ids(ChatFormat(tokenizer), conversation, [SCHEMA])
+    ids, sampled = warmup.conversation_ids(ChatFormat(tokenizer), conversation, [SCHEMA])
     response = tokenizer.decode(ids[sampled.index(True) :], skip_special_tokens=True)
     calls = [HermesParser().parse(f"{turn}</tool_call>")[1][0] for turn in response.split("</tool_call>")[:-1]]
     results = [evaluate(call.arguments["expression"]) for call in calls]
@@ -377,7 +377,7 @@ def test_the_protocol_a_model_is_held_to_is_the_demonstrations(tiny_model_dir, g
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     for posed, answer in problems("protocol", 16, seed=0):
         conversation = arithmetic.demonstration(posed, answer, graded=graded)
-        ids, sampled = tiny_model.conversation_ids(ChatFormat(tokenizer), conversation, [SCHEMA])
+        ids, sampled = warmup.conversation_ids(ChatFormat(tokenizer), conversation, [SCHEMA])
         runs = groupby(zip(ids, sampled, strict=True), key=lambda pair: pair[1])
         turns = [tokenizer.decode([i for i, _ in run], skip_special_tokens=True) for by_model, run in runs if by_model]
         assert off_protocol(turns) is None
@@ -452,7 +452,7 @@ def test_the_long_tail_config_fits_its_longest_requests():
     chat = ChatFormat(tokenizer)
     for expression, answer in problems("longest", 100, options.seed, long_share=1.0, long_operations=(most, most)):
         for graded in (True, False):
-            ids, sampled = tiny_model.conversation_ids(
+            ids, sampled = warmup.conversation_ids(
                 chat, arithmetic.demonstration(expression, answer, graded), [SCHEMA]
             )
             prompt = sampled.index(True)

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
-from skip_plugin_arithmetic import tiny_model
+from skip_plugin_arithmetic import tiny_model, warmup
 from skip_plugin_arithmetic.calculator import SCHEMA
 from skip_plugin_arithmetic.task import demonstration, problems
 from skip_plugin_trainer.data.chat import ChatFormat
@@ -104,7 +104,7 @@ def test_chat_format_pieces_are_the_full_conversation(tokenizer):
 
 def test_conversation_ids_mark_only_what_the_model_writes(tokenizer):
     conversation = demonstration("(12 + 5) * 3", "51")
-    ids, sampled = tiny_model.conversation_ids(ChatFormat(tokenizer), conversation, [SCHEMA])
+    ids, sampled = warmup.conversation_ids(ChatFormat(tokenizer), conversation, [SCHEMA])
     written = tokenizer.decode([i for i, s in zip(ids, sampled, strict=True) if s])
     calls = [json.dumps({"name": "calculator", "arguments": {"expression": e}}) for e in ("12 + 5", "17 * 3")]
     assert written == "".join(f"<tool_call>{call}</tool_call><|im_end|>" for call in calls) + "Answer: 51<|im_end|>"
@@ -155,8 +155,8 @@ def test_warm_up_lowers_the_loss_on_unseen_conversations(conversations):
     tokenizer = tiny_model.build_tokenizer(tiny_model.render(conversations, [SCHEMA]))
     model = tiny_model.build_model(tokenizer, seed=0)
     chat = ChatFormat(tokenizer)
-    held_out = tiny_model._collate(
-        [tiny_model.conversation_ids(chat, c, [SCHEMA]) for c in conversations[48:]], tokenizer.pad_token_id
+    held_out = warmup._collate(
+        [warmup.conversation_ids(chat, c, [SCHEMA]) for c in conversations[48:]], tokenizer.pad_token_id
     )
 
     def loss() -> float:
@@ -164,7 +164,7 @@ def test_warm_up_lowers_the_loss_on_unseen_conversations(conversations):
             return model(**held_out).loss.item()
 
     before = loss()
-    tiny_model.warm_up(model, tokenizer, conversations[:48], [SCHEMA], steps=12, batch_size=8, progress=False)
+    warmup.warm_up(model, tokenizer, conversations[:48], [SCHEMA], steps=12, batch_size=8, progress=False)
     assert loss() < 0.6 * before
 
 
@@ -172,11 +172,11 @@ def test_warm_up_progress_without_a_terminal_is_plain_lines_on_stdout_and_in_the
     conversations, tmp_path, monkeypatch, capsys
 ):
     """Output to a file (CI, nohup) gets periodic lines instead of a bar that shows only at the end."""
-    monkeypatch.setattr(tiny_model, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(warmup, "PROGRESS_EVERY_S", 0.0)
     tokenizer = tiny_model.build_tokenizer(tiny_model.render(conversations, [SCHEMA]))
     model = tiny_model.build_model(tokenizer, seed=0)
     log = tmp_path / "build.log"
-    tiny_model.warm_up(model, tokenizer, conversations, [SCHEMA], steps=3, batch_size=4, log=log)
+    warmup.warm_up(model, tokenizer, conversations, [SCHEMA], steps=3, batch_size=4, log=log)
     printed = capsys.readouterr().out.splitlines()
     assert [line.split(",")[0] for line in printed] == [f"warm-up {k}/3 steps" for k in (1, 2, 3, 3)]
     assert "s left" in printed[0] and "s left" not in printed[-1]
@@ -186,7 +186,7 @@ def test_warm_up_progress_without_a_terminal_is_plain_lines_on_stdout_and_in_the
 
 def test_warm_up_batches_are_those_of_earlier_releases():
     """The default build's batches, digested before batching by length existed: its model is unchanged."""
-    batches = tiny_model._batches(4000, 32, 350, seed=0)
+    batches = warmup._batches(4000, 32, 350, seed=0)
     assert hashlib.sha256(json.dumps(batches).encode()).hexdigest() == (
         "21bfed773727090d5eb632a9777516b8c293fa693815cc34196792d02c7613d3"
     )
@@ -194,11 +194,11 @@ def test_warm_up_batches_are_those_of_earlier_releases():
 
 def test_batches_by_length_hold_the_same_examples_each_stretch_padded_less():
     lengths = [300 if i % 7 == 0 else 80 + i % 20 for i in range(1000)]
-    plain = tiny_model._batches(1000, 8, 40, seed=0)
-    by_length = tiny_model._batches(1000, 8, 40, seed=0, lengths=lengths)
-    assert by_length == tiny_model._batches(1000, 8, 40, seed=0, lengths=lengths)
+    plain = warmup._batches(1000, 8, 40, seed=0)
+    by_length = warmup._batches(1000, 8, 40, seed=0, lengths=lengths)
+    assert by_length == warmup._batches(1000, 8, 40, seed=0, lengths=lengths)
     assert [len(batch) for batch in by_length] == [8] * 40
-    stretch = tiny_model.BUCKET
+    stretch = warmup.BUCKET
 
     def examples(batches, start):
         return sorted(i for batch in batches[start : start + stretch] for i in batch)

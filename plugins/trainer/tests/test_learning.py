@@ -10,7 +10,7 @@ import torch
 from skip_core.backend import create_backend
 from skip_core.batch import Batch
 from skip_core.sections import Sections
-from skip_plugin_arithmetic import tiny_model
+from skip_plugin_arithmetic import warmup
 from skip_plugin_arithmetic.calculator import SCHEMA, Calculator
 from skip_plugin_arithmetic.task import demonstration, problems, prompt, score
 from skip_plugin_hf.options import HFOptions
@@ -40,7 +40,7 @@ def primed_dir(tiny_model_dir, tmp_path_factory):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     conversations = [demonstration(*problem, graded=graded) for problem in PROBLEMS for graded in (True, False)]
-    tiny_model.warm_up(model, tokenizer, conversations, [SCHEMA], steps=60, batch_size=8, progress=False)
+    warmup.warm_up(model, tokenizer, conversations, [SCHEMA], steps=60, batch_size=8, progress=False)
     target = tmp_path_factory.mktemp("primed")
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
