@@ -98,7 +98,8 @@ def test_other_hydra_errors_are_usage_errors():
 def test_the_commands_module_imported_first_still_gives_skip_its_commands():
     """A script (or a test) importing the trainer's commands before ``skip_core.cli``: the cli
     then loads the plugins' commands, this module's among them, with no circular import."""
-    code = "import json, skip_plugin_trainer.commands\nfrom skip_core.cli import cli\nprint(json.dumps(sorted(cli.commands)))"
+    code = "import json, skip_plugin_trainer.commands\nfrom skip_core.cli import cli\n"
+    code += "print(json.dumps(sorted(cli.commands)))"
     done = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert {"run", "rollout", "diff"} <= set(json.loads(done.stdout)), done.stdout
