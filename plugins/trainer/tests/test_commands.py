@@ -103,4 +103,3 @@ def test_the_commands_module_imported_first_still_gives_skip_its_commands():
     done = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert {"run", "rollout", "diff"} <= set(json.loads(done.stdout)), done.stdout
-
