@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import re
 import shutil
@@ -19,6 +20,8 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from skip_core.errors import SkipError
 
 #: A path written ``pkg://<package>/<file>`` names a file shipped inside an installed package.
 PACKAGED = "pkg://"
@@ -176,3 +179,56 @@ def publish(tmp: Path, final: Path, attempts: int = 16) -> None:
             continue
         shutil.rmtree(trash, ignore_errors=True)
     raise OSError(f"could not replace {final}: other writers kept replacing it")
+
+
+LOCK = ".skip.lock"
+_MAX_HOLDER = 512  # what a holder writes of itself; a lock file is read no further
+_held: dict[tuple[int, int], list] = {}  # (device, inode) of a lock file -> [descriptor, holds], this process's
+
+
+class DirectoryInUse(SkipError):
+    """Another live process writes this directory; the message names it and the way out."""
+
+
+@contextmanager
+def exclusive(directory: Path, what: str) -> Iterator[None]:
+    """Hold ``directory``'s advisory lock (``flock`` on ``.skip.lock`` in it) for the block:
+    a second process asking for it gets ``DirectoryInUse`` naming the holder (pid, host and
+    ``what`` it is doing), while this process may take it again (two managers of one run). The
+    kernel releases the lock when the holder dies, so a killed run never leaves it held."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise DirectoryInUse(
+            f"{directory / LOCK} is a symbolic link; skip never locks through one: remove it"
+        ) from None
+    key = (os.fstat(fd).st_dev, os.fstat(fd).st_ino)
+    if key in _held:  # flock is per open file: this process's own second open would be refused
+        os.close(fd)
+        _held[key][1] += 1
+    else:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, _MAX_HOLDER, 0).decode("utf-8", "replace").strip() or "another process"
+            os.close(fd)
+            from skip_core.console import printable
+
+            raise DirectoryInUse(
+                f"{directory} is in use by {printable(holder)}; wait for it to end, or give this run another directory"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} ({what})".encode()[:_MAX_HOLDER], 0)
+        _held[key] = [fd, 1]
+    try:
+        yield
+    finally:
+        _held[key][1] -= 1
+        if not _held[key][1]:
+            fd = _held.pop(key)[0]
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
