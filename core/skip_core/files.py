@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import socket
-import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -65,32 +64,6 @@ def apply_umask(directory: Path) -> None:
             os.chmod(os.path.join(parent, name), 0o777 & ~mask)
         for name in names:
             os.chmod(os.path.join(parent, name), 0o666 & ~mask)
-
-
-@contextmanager
-def replacing(path: Path) -> Iterator[Path]:
-    """A temporary path beside ``path`` to write; fsynced and renamed onto ``path`` if the block succeeds."""
-    path = Path(path)
-    # Named as this process's (``owned``): a kill before the rename leaves a leftover that a later
-    # process can tell from a write in progress (``abandoned``) and remove.
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=owned(f".{path.name}."), suffix=".tmp")
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        yield tmp
-        os.chmod(tmp, 0o666 & ~current_umask())
-        with open(tmp, "rb") as written:
-            os.fsync(written.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data``: a crash leaves the old file or the new one, never half."""
-    with replacing(path) as tmp:
-        tmp.write_bytes(data)
 
 
 def write_synced(path: Path, data: bytes) -> None:

@@ -72,11 +72,14 @@ def _refused(path: Path, parent: int, name: str) -> UnsafeDestination:
         mode = os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode
     except OSError:
         mode = 0
-    what = "a symbolic link" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode) else "not a directory"
-    return UnsafeDestination(
-        errno.EEXIST, f"{path} is {what}; skip never writes through a link or over what it did not write: "
-        "remove it or choose another output directory",
+    what = (
+        "a symbolic link" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode)
+        else "not a regular file" if mode else "not a directory"
     )  # fmt: skip
+    return UnsafeDestination(
+        f"{path} is {what}; skip never writes through a link or over what it did not write: "
+        "remove it or choose another output directory"
+    )
 
 
 @contextlib.contextmanager
@@ -107,13 +110,34 @@ def opened(root: str | os.PathLike, relative: str | os.PathLike, mode: str = "wb
             raise
 
 
+def appending(root: str | os.PathLike, relative: str | os.PathLike) -> IO[bytes]:
+    """``root/relative`` opened to append to, unbuffered (a log): created with the umask's mode
+    when missing; a link at its name or on the way, or anything but a regular file, is refused."""
+    *parents, name = _parts(relative)
+    with directory(root, PurePath(*parents) if parents else "") as parent:
+        where = Path(root).expanduser().joinpath(*parents, name)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(name, flags, 0o666, dir_fd=parent)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENXIO):  # ENXIO: a named pipe no one reads
+                raise _refused(where, parent, name) from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise _refused(where, parent, name)
+        os.set_blocking(fd, True)
+    return os.fdopen(fd, "ab", buffering=0)
+
+
 def _check_target(where: Path, parent: int, name: str) -> None:
-    """Refuse to replace a link (the user meant its target) or a directory at the file's name."""
+    """Refuse to replace a link (the user meant its target) or a directory at the file's name; a
+    named pipe or a socket there holds nothing, and is replaced."""
     try:
         mode = os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode
     except FileNotFoundError:
         return
-    if not stat.S_ISREG(mode):
+    if stat.S_ISLNK(mode) or stat.S_ISDIR(mode):
         raise _refused(where, parent, name)
 
 

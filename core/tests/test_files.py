@@ -2,7 +2,6 @@
 
 import os
 
-import pytest
 from skip_core import files
 from skip_core.config import Namespace
 from skip_core.store import CacheStore
@@ -19,13 +18,6 @@ def test_a_cache_entry_gets_the_umask_modes(tmp_path, umask):
     assert_umask_modes(entry, umask)
 
 
-def test_files_replaced_atomically_get_the_umask_modes(tmp_path, umask):
-    (tmp_path / "out").mkdir()
-    files.write_atomic(tmp_path / "out" / "metrics.jsonl", b"{}\n")
-    assert [p.name for p in (tmp_path / "out").iterdir()] == ["metrics.jsonl"]
-    assert_umask_modes(tmp_path / "out", umask)
-
-
 def test_a_published_directory_gets_the_umask_modes_whatever_its_writers_chose(tmp_path, umask):
     tmp = tmp_path / ".tmp-1"
     (tmp / "nested").mkdir(parents=True, mode=0o700)
@@ -33,13 +25,3 @@ def test_a_published_directory_gets_the_umask_modes_whatever_its_writers_chose(t
     os.chmod(tmp, 0o700)
     files.publish(tmp, tmp_path / "entry")
     assert_umask_modes(tmp_path / "entry", umask)
-
-
-def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path):
-    target = tmp_path / "metrics.jsonl"
-    target.write_text("old")
-    with pytest.raises(RuntimeError), files.replacing(target) as tmp:
-        tmp.write_text("half")
-        raise RuntimeError("killed mid-write")
-    assert target.read_text() == "old"
-    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]

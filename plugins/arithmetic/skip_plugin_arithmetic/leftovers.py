@@ -25,7 +25,7 @@ def partial_prefix(target: Path) -> str:
 
 
 def temporary_prefix(path: Path) -> str:
-    """Where ``skip_core.files.replacing`` writes the file ``path`` before it is renamed: ``.<name>.``."""
+    """Where ``skip_core.writing`` writes the file ``path`` before it is renamed: ``.<name>.``."""
     return f".{Path(path).name}."
 
 

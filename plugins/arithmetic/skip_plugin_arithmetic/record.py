@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from skip_core import writing
 from skip_core.config import ConfigError
-from skip_core.files import write_atomic
 
 RECORD = "task.json"
 
@@ -56,7 +56,7 @@ class BuildRecord:
     def add(self, piece: str, options: Mapping[str, Any]) -> None:
         """Record that ``piece`` was just built with ``options``."""
         self.pieces[piece] = dict(options)
-        write_atomic(self.directory / RECORD, (json.dumps(self.pieces, indent=2, sort_keys=True) + "\n").encode())
+        writing.write_text(self.directory, RECORD, json.dumps(self.pieces, indent=2, sort_keys=True) + "\n")
 
 
 def _json(value: Any) -> str:

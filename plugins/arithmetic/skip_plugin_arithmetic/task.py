@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import ConfigDict, Field, NonNegativeInt, PositiveInt, field_validator
-from skip_core.files import replacing
+from skip_core import writing
 from skip_plugin_trainer.run_sections import TaskConfig
 from skip_plugin_trainer.tasks import Task, TaskAssets
 
@@ -249,9 +249,8 @@ def write_parquet(table_rows: list[Mapping[str, Any]], path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with replacing(path) as tmp:
-        pq.write_table(pa.Table.from_pylist(list(table_rows)), tmp)
+    with writing.opened(path.parent, path.name) as out:
+        pq.write_table(pa.Table.from_pylist(list(table_rows)), out)
 
 
 #: The task directory's log of what building it did: warm-up progress, leftovers removed.

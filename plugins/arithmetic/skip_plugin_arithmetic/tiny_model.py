@@ -64,7 +64,6 @@ CHAT_TEMPLATE = (
 its turns, which ``ChatFormat`` needs, and the end-of-turn token is the last token sampled."""
 
 
-
 @dataclass(frozen=True)
 class Stage:
     """A further warm-up of ``build``: ``steps`` steps on ``conversations`` with a fresh optimizer

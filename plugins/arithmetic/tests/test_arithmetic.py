@@ -13,8 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from omegaconf import OmegaConf
+from skip_core import writing
 from skip_core.config import ConfigError, parse_section
-from skip_core.files import owned, replacing
+from skip_core.files import owned
 from skip_core.plugins import registry
 from skip_plugin_arithmetic import record, tiny_model, warmup
 from skip_plugin_arithmetic import task as arithmetic
@@ -289,11 +290,11 @@ def test_a_directory_built_before_the_record_is_taken_for_the_defaults(tiny_mode
         ArithmeticTask().prepare(directory, SESSION, progress=False)
     assert not (directory / "task.json").exists()
 
-    def read_only(path, data):
-        raise PermissionError(path)
+    def read_only(root, relative, text):
+        raise PermissionError(root / relative)
 
     with monkeypatch.context() as patch:  # shared read-only, it is used as it is
-        patch.setattr(record, "write_atomic", read_only)
+        patch.setattr(record.writing, "write_text", read_only)
         ArithmeticTask().prepare(directory, ArithmeticOptions(), progress=False)
     assert not (directory / "task.json").exists()
     ArithmeticTask().prepare(directory, ArithmeticOptions(), progress=False)
@@ -336,9 +337,10 @@ def test_prepare_removes_what_killed_builds_left_and_nothing_else(tiny_model_dir
 
 def test_pieces_are_written_under_names_that_say_who_writes_them(tmp_path):
     path = tmp_path / "train.parquet"
-    with replacing(path) as tmp:
-        assert tmp.parent == tmp_path and tmp.name.startswith(owned(".train.parquet."))
-        tmp.write_bytes(b"data")
+    with writing.opened(tmp_path, path.name) as out:
+        [tmp] = [name for name in os.listdir(tmp_path) if name != "train.parquet"]
+        assert tmp.startswith(owned(".train.parquet."))
+        out.write(b"data")
     assert path.read_bytes() == b"data" and os.listdir(tmp_path) == ["train.parquet"]
 
 
@@ -452,9 +454,7 @@ def test_the_long_tail_config_fits_its_longest_requests():
     chat = ChatFormat(tokenizer)
     for expression, answer in problems("longest", 100, options.seed, long_share=1.0, long_operations=(most, most)):
         for graded in (True, False):
-            ids, sampled = warmup.conversation_ids(
-                chat, arithmetic.demonstration(expression, answer, graded), [SCHEMA]
-            )
+            ids, sampled = warmup.conversation_ids(chat, arithmetic.demonstration(expression, answer, graded), [SCHEMA])
             prompt = sampled.index(True)
             assert prompt <= config.data.max_prompt_length
             assert len(ids) - prompt <= config.data.max_response_length

@@ -40,7 +40,8 @@ def report(log_dir: Path, out: Path | None, step: int | None, top: int, lengths:
         raise click.ClickException(str(exc)) from exc
     found = findings(result)
     analysed_s = time.perf_counter() - started - read_s
-    index = write_report(logs, out or _default_out(log_dir), analysis=result)
+    root, target = (out, out) if out else _default_out(log_dir, "report")
+    index = write_report(logs, target, analysis=result, root=root)
     written_s = time.perf_counter() - started - read_s - analysed_s
     click.echo(f"Report: {index}")
     click.echo(f"Read {logs.summary()} in {read_s:.2f} s; analysed in {analysed_s:.2f} s; wrote in {written_s:.2f} s.")
@@ -66,7 +67,8 @@ def trace(log_dir: Path, out: Path | None, steps: tuple[int, ...]) -> None:
         raise click.ClickException(
             f"step {', '.join(map(str, missing))} not in the logs; steps available: {', '.join(map(str, available))}"
         )
-    path = write_trace(logs, out or _default_out(log_dir, "trace.json"), steps=list(steps) or None)
+    root, target = (out.parent, out) if out else _default_out(log_dir, "trace.json")
+    path = write_trace(logs, target, steps=list(steps) or None, root=root)
     click.echo(f"Trace: {path} ({logs.summary()}; {time.perf_counter() - started:.2f} s)")
     click.echo("Open it at https://ui.perfetto.dev or chrome://tracing.")
 
@@ -98,6 +100,7 @@ def _read(log_dir: Path):
     return logs
 
 
-def _default_out(log_dir: Path, name: str = "report") -> Path:
+def _default_out(log_dir: Path, name: str) -> tuple[Path, Path]:
+    """The root the command writes below, ``DIR`` (its user's choice, even if a link), and ``DIR/name``."""
     base = log_dir if log_dir.is_dir() else log_dir.parent
-    return base / name
+    return base, base / name

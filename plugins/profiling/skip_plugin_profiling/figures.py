@@ -4,6 +4,7 @@ straggler against, so its figure shows only its completions and says so."""
 
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
+from skip_core import writing
 
 from skip_plugin_profiling.results import Analysis
 from skip_plugin_profiling.rollout import QUANTILES
@@ -25,8 +27,9 @@ FIGURES = ("cdf", "rollout_time", "workers", "slowest_requests", "event_share", 
 _OUTLINED = ("request", "turn", "rollout")  # containers: drawn as outlines so their children show
 
 
-def draw(a: Analysis, out: Path) -> dict[str, str]:
-    """Write every figure the analysis supports into ``out``; returns name -> file name."""
+def draw(a: Analysis, root: Path, relative: Path) -> dict[str, str]:
+    """Write every figure the analysis supports into ``root / relative`` (no link followed below
+    ``root``: ``skip_core.writing``); returns name -> file name."""
     drawers = {
         "cdf": _fig_cdf,
         "rollout_time": _fig_rollout,
@@ -42,7 +45,9 @@ def draw(a: Analysis, out: Path) -> dict[str, str]:
         fig = drawer(a)
         if fig is None:
             continue
-        fig.savefig(out / f"{name}.png", dpi=DPI)
+        image = io.BytesIO()
+        fig.savefig(image, format="png", dpi=DPI)
+        writing.write_bytes(root, relative / f"{name}.png", image.getvalue())
         images[name] = f"{name}.png"
     return images
 
@@ -271,7 +276,8 @@ def _fig_shares(a: Analysis, top: int = 6) -> Figure:
     lines.xaxis.set_major_locator(MaxNLocator(integer=True))
     lines.set_ylabel("% of a worker's step")
     lines.set_title(f"Top {min(top, len(events))} events per step")
-    lines.legend(fontsize=8)
+    if events:  # a log of request spans alone has no leaf event to draw
+        lines.legend(fontsize=8)
     return fig
 
 

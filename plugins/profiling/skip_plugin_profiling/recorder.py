@@ -21,6 +21,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from skip_core import writing
 from skip_core.spans import Span
 
 
@@ -141,10 +142,9 @@ class Recorder:
 
     def _open(self, key: tuple[str, int]) -> Any:
         phase, step = key
-        folder = self.directory / (f"step_{step}" if phase == "train" else f"{phase}_step_{step}")
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = f"step_{step}" if phase == "train" else f"{phase}_step_{step}"
         # Unbuffered append: each flush is one write(2) per file, whole lines only, so a
-        # reader (or a SIGKILL) never sees more than the last line cut short.
-        handle = open(folder / f"worker_{self.worker}.jsonl", "ab", buffering=0)  # noqa: SIM115
+        # reader (or a SIGKILL) never sees more than the last line cut short. No link followed.
+        handle = writing.appending(self.directory, f"{folder}/worker_{self.worker}.jsonl")
         self._files[key] = handle
         return handle

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+from skip_core import writing
 
 from skip_plugin_profiling import units
 from skip_plugin_profiling.analysis import Analysis, Finding, analyze, findings
@@ -75,16 +76,21 @@ def write_report(
     top: int = 5,
     lengths: tuple[int, ...] | list[int] = (),
     analysis: Analysis | None = None,
+    root: str | os.PathLike | None = None,
 ) -> Path:
-    """Write the figures, ``index.html`` and ``report.md`` into ``out_dir``; returns index.html."""
+    """Write the figures, ``index.html`` and ``report.md`` into ``out_dir``; returns index.html.
+
+    ``root``: the directory, ``out_dir`` or one above it, below which no link is followed
+    (``skip_core.writing``); by default ``out_dir`` itself."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    root = out if root is None else Path(root)
+    relative = out.relative_to(root)
     result = analysis or analyze(logs, step=step, top=top, lengths=lengths)
     found = findings(result)
-    sections = _sections(logs, result, draw(result, out))
+    sections = _sections(logs, result, draw(result, root, relative))
     title = f"Rollout profile: {logs.root}"
-    (out / "index.html").write_text(_html(title, found, sections), encoding="utf-8")
-    (out / "report.md").write_text(_markdown(title, found, sections), encoding="utf-8")
+    writing.write_text(root, relative / "index.html", _html(title, found, sections))
+    writing.write_text(root, relative / "report.md", _markdown(title, found, sections))
     return out / "index.html"
 
 

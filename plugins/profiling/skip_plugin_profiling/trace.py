@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from skip_core import writing
 
 from skip_plugin_profiling.logs import Logs
 
@@ -32,14 +33,21 @@ _SLACK_US = 100
 _NOT_ARGS = {"workid", "event", "raw_event", "start", "end", "duration", "span_id", "parent_id", "phase", "file"}
 
 
-def write_trace(logs: Logs | pa.Table, path: str | os.PathLike, steps: list[int] | None = None) -> Path:
-    """Write the spans (of ``steps``, all by default) as a Chrome trace; returns the path."""
+def write_trace(
+    logs: Logs | pa.Table,
+    path: str | os.PathLike,
+    steps: list[int] | None = None,
+    root: str | os.PathLike | None = None,
+) -> Path:
+    """Write the spans (of ``steps``, all by default) as a Chrome trace; returns the path.
+    ``root``: the directory above ``path`` below which no link is followed (``skip_core.writing``);
+    by default the file's own directory."""
     table = logs.table if isinstance(logs, Logs) else logs
     if steps:
         table = table.filter(pc.is_in(table["step"], pa.array(list(steps), pa.int64())))
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as out:
+    root = path.parent if root is None else Path(root)
+    with writing.opened(root, path.relative_to(root), "w") as out:
         out.write('{"displayTimeUnit":"ms","traceEvents":[\n')
         if table.num_rows:
             _write_events(table, out)

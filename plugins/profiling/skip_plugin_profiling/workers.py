@@ -102,7 +102,8 @@ def event_shares(fr: Frame) -> EventShares:
     group = pairs.index[rows]
     part = shared_time(group, fr.start[rows], fr.end[rows])
     cell = group * n_events + fr.event[rows]
-    seconds = np.bincount(cell, weights=part, minlength=pairs.n * n_events).reshape(pairs.n, n_events)
+    # float even with no leaf span at all (a log of request spans only), where bincount gives ints
+    seconds = np.bincount(cell, weights=part, minlength=pairs.n * n_events).astype(float).reshape(pairs.n, n_events)
     present = np.bincount(cell, minlength=pairs.n * n_events).reshape(pairs.n, n_events) > 0
     total = np.maximum(pairs.total, seconds.sum(axis=1))[:, None]  # spans past T must not push shares past 100%
     share = np.divide(seconds, total, out=np.zeros_like(seconds), where=total > 0)
@@ -110,7 +111,7 @@ def event_shares(fr: Frame) -> EventShares:
     n = max(pairs.n, 1)
     table = pa.table(
         {
-            "event": [fr.names[i] for i in used],
+            "event": pa.array([fr.names[i] for i in used], pa.string()),  # typed when no event is used
             "mean_share": share[:, used].sum(axis=0) / n,
             "mean_seconds": seconds[:, used].sum(axis=0) / n,
             "pairs": present[:, used].sum(axis=0),

@@ -87,6 +87,39 @@ def test_an_integer_past_64_bits_does_not_kill_the_report(valid, tmp_path):
     assert [row["step"] for row in rows if row["end"] == 1767225609.0] == [1]  # the step its directory names
 
 
+@pytest.mark.parametrize(("command", "planted"), [("report", "report"), ("report", "report/index.html"),
+                                                  ("trace", "trace.json")])  # fmt: skip
+def test_a_planted_link_in_the_log_directory_is_refused_and_what_it_points_to_untouched(
+    valid, tmp_path, command, planted
+):
+    root, _ = valid
+    logs = tmp_path / "profile"
+    shutil.copytree(root, logs)
+    users = tmp_path / "users"
+    users.mkdir()
+    (users / "index.html").write_text("mine")
+    (logs / planted).parent.mkdir(parents=True, exist_ok=True)
+    os.symlink(users if planted == "report" else users / "index.html", logs / planted)
+    result = CliRunner().invoke(cli, ["profile", command, str(logs)])
+    assert result.exit_code == 1
+    assert result.output.splitlines()[-1] == (
+        f"Error: {logs / planted} is a symbolic link; skip never writes through a link or over what it did not "
+        "write: remove it or choose another output directory"
+    )
+    assert [(p.name, p.read_text()) for p in users.iterdir()] == [("index.html", "mine")]
+
+
+def test_a_log_of_request_spans_alone_is_reported(tmp_path):
+    log = tmp_path / "profile" / "step_1" / "worker_0.jsonl"
+    log.parent.mkdir(parents=True)
+    requests = [{"event": "request", "duration_sec": 0.5 + r, "start": T0 + r, "request_id": f"r{r}"} for r in range(3)]
+    log.write_text("".join(json.dumps(span) + "\n" for span in requests))
+    result = invoke("profile", "report", tmp_path / "profile")  # was: a numpy casting error, then a pyarrow one
+    assert result.exit_code == 0, result.output
+    assert "The slowest request of step 1, r2 on worker 0, took 2.5 s." in result.output
+    assert (tmp_path / "profile" / "report" / "index.html").is_file()
+
+
 HOSTILE = [
     b'{"event": "generate", "duration_sec": 1, "start": 1e400}',  # json.loads reads inf
     b'{"event": "generate", "duration_sec": NaN, "start": 1700000000}',
@@ -244,3 +277,17 @@ def _number(value):
             return value
         return None if math.isnan(number) else number
     return value
+
+
+def test_a_planted_link_where_a_worker_logs_stops_profiling_with_a_warning_and_is_not_followed(tmp_path):
+    from skip_plugin_profiling.recorder import ProfilingWarning
+
+    users = tmp_path / "users.txt"
+    users.write_text("mine")
+    (tmp_path / "profile" / "step_1").mkdir(parents=True)
+    os.symlink(users, tmp_path / "profile" / "step_1" / "worker_0.jsonl")
+    recorder = Recorder(tmp_path / "profile", worker=0, flush_interval_s=3600)
+    with pytest.warns(ProfilingWarning, match="is a symbolic link; skip never writes through a link"):
+        emit(recorder, "generate", None, 0.0, 1.0, step=1)
+        recorder.close()
+    assert users.read_text() == "mine"

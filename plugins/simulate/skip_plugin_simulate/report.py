@@ -8,7 +8,7 @@ import warnings
 from pathlib import Path
 
 from rich.table import Table
-from skip_core.files import write_atomic
+from skip_core import writing
 
 from skip_plugin_simulate.config import Published
 from skip_plugin_simulate.simulate import SPLIT_KEY, Result
@@ -104,9 +104,7 @@ def plot(results: list[Result], path: Path) -> Path | None:
         buffer = io.BytesIO()
         fig.savefig(buffer, format="png", bbox_inches="tight")
         plt.close(fig)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, buffer.getvalue())
-        return path
+        return writing.write_bytes(path.parent, path.name, buffer.getvalue())
     except Exception as exc:  # the plot is optional: the table is already printed
         warnings.warn(f"skip simulate: the plot could not be written to {path}: {exc!r}", RuntimeWarning, stacklevel=2)
         return None

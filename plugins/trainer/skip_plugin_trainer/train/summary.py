@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import rich.console
 import rich.table
-from skip_core.files import write_atomic
+from skip_core import writing
 from skip_core.schedule import GEN, STEP, TRAIN_PHASES, WEIGHT_SYNC
 
 if TYPE_CHECKING:
@@ -85,9 +85,7 @@ def plot(
     buffer = io.BytesIO()
     plot_figure(history, phases, background).savefig(buffer, format="png")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, buffer.getvalue())
-    return path
+    return writing.write_bytes(path.parent, path.name, buffer.getvalue())
 
 
 def plot_figure(

@@ -13,9 +13,8 @@ from typing import Any
 
 import rich.console
 import rich.table
-from skip_core import reading
+from skip_core import reading, writing
 from skip_core.config import ConfigError
-from skip_core.files import write_atomic
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 
@@ -115,7 +114,7 @@ class Tracking:
         self._history: list[dict[str, Any]] = []
         if "jsonl" in loggers and self.jsonl_path.exists():
             self._history = [r for r in _read_jsonl(self.jsonl_path) if r["step"] <= resume_step]
-            write_atomic(self.jsonl_path, "".join(json.dumps(r) + "\n" for r in self._history).encode())
+            self._rewrite(self._history)
         self._console = console or rich.console.Console()
         self._writer = self._wandb_run = None
         if "tensorboard" in modules:
@@ -132,8 +131,11 @@ class Tracking:
 
     def _log_jsonl(self, record: dict[str, Any]) -> None:
         # Opened per line: closing flushes, so the line is readable at once, and no handle can leak.
-        with self.jsonl_path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        with writing.appending(self.run_dir, self.jsonl_path.name) as f:
+            f.write((json.dumps(record) + "\n").encode())
+
+    def _rewrite(self, history: list[dict[str, Any]]) -> None:
+        writing.write_bytes(self.run_dir, self.jsonl_path.name, "".join(json.dumps(r) + "\n" for r in history).encode())
 
     def _log_tensorboard(self, record: dict[str, Any]) -> None:
         for key, value in record.items():
@@ -173,7 +175,7 @@ class Tracking:
     def _log(self, name: str, record: dict[str, Any], rewrite: bool = False) -> None:
         try:
             if rewrite:
-                write_atomic(self.jsonl_path, "".join(json.dumps(r) + "\n" for r in self.history).encode())
+                self._rewrite(self.history)
             else:
                 getattr(self, f"_log_{name}")(record)
         except Exception as exc:

@@ -19,11 +19,10 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
-from skip_core import reading
+from safetensors.torch import save
+from skip_core import reading, writing
 from skip_core.encoding import storable
 from skip_core.errors import SkipError
-from skip_core.files import fsync_dir, replacing
 
 FORMAT = "skip-train-data"
 VERSION = "1"
@@ -60,14 +59,8 @@ def write_train_data(run_dir: Path, step: int, tensors: Mapping[str, torch.Tenso
     """Write ``tensors`` as the training data of ``step`` under ``run_dir``, replacing any earlier file."""
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 10**18:
         raise ValueError(f"step must be an integer in [0, 10**18), got {step!r}")
-    directory = Path(run_dir) / DIRECTORY
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"step_{step}.safetensors"
     metadata = {"format": FORMAT, "version": VERSION, "step": str(step)}
-    with replacing(path) as tmp:
-        save_file(storable(tensors), str(tmp), metadata=metadata)
-    fsync_dir(directory)  # the rename itself survives a crash only once its directory is synced
-    return path
+    return writing.write_bytes(run_dir, f"{DIRECTORY}/step_{step}.safetensors", save(storable(tensors), metadata))
 
 
 def train_data_steps(run_dir: Path) -> list[int]:
