@@ -45,10 +45,14 @@ class CustomRewardFunction(_Section):
 
 
 class RewardConfig(_Section):
-    """``reward``: which function scores responses; ``tool_rewards`` adds the tools' own rewards."""
+    """``reward``: which function scores responses; ``tool_rewards`` adds the tools' own rewards.
+
+    ``timeout_s``: how long one call of the function may take; a sample whose call runs longer
+    scores 0, as in verl's PRIME reward manager, and is counted in ``reward/timeouts``."""
 
     function: str = "task"
     custom_reward_function: CustomRewardFunction = CustomRewardFunction()
+    timeout_s: PositiveFloat = 60.0
     tool_rewards: bool = True
     overlong_buffer: OverlongBuffer = OverlongBuffer()
 

@@ -38,7 +38,10 @@ def check(config: Any, console: Console, command: str) -> RolloutSettings:
     elif isinstance(settings, RunSettings):
         load_data(settings, parts)
     else:
-        prompt_loader(settings, load_tokenizer(settings), parts.tools)
+        from skip_plugin_trainer.rollout.job import task_rewarder
+
+        tokenizer = load_tokenizer(settings)
+        task_rewarder(settings, tokenizer, prompt_loader(settings, tokenizer, parts.tools).dataset)
     console.print(yaml.safe_dump(settings.dump(), sort_keys=False).rstrip(), soft_wrap=True, markup=False)
     return settings
 

@@ -38,6 +38,9 @@ class Task(ABC):
     #: The ``task`` section of this task: a ``TaskConfig`` subclass declaring its options,
     #: validated once at start with every other section (``extra="forbid"``, so a typo fails).
     Options: ClassVar[type[TaskConfig]] = NoOptions
+    #: What ``score`` takes as ground truth: ``reward.function=task`` refuses a row holding anything
+    #: else before step 1 (also in ``skip run --check``), naming the row.
+    ground_truth_types: ClassVar[tuple[type, ...]] = (str,)
 
     @abstractmethod
     def prepare(self, directory: Path, options: TaskConfig, progress: bool = True) -> TaskAssets:

@@ -12,7 +12,7 @@ import copy
 import itertools
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -93,6 +93,12 @@ class RLDataset(torch.utils.data.Dataset):
             **item,
         }
 
+    def reward_inputs(self) -> Iterator[tuple[str, Any, Any]]:
+        """Each row's file and row (or line), ``data_source`` and ``reward_model.ground_truth``:
+        what the reward function will be given, for the checks before step 1."""
+        for where, record in zip(self._wheres, self._records, strict=True):
+            yield where, record["data_source"], record["reward_model"].get("ground_truth")
+
     def _prepare(self, where: str, row: Any, number: int) -> tuple[dict[str, Any], list[int]]:
         """The fields ``__getitem__`` returns (bar tensors) and the untruncated prompt ids of one row."""
         if not isinstance(row, Mapping):
@@ -140,6 +146,7 @@ class RLDataset(torch.utils.data.Dataset):
             self.dropped = 0
         truncated = [truncate(prompts[i], limit, self.config.truncation, wheres[i]) for i in kept]
         self._records = [records[i] for i in kept]
+        self._wheres = [wheres[i] for i in kept]
         # One flat array instead of a list per prompt: a large dataset's ids stay compact.
         self._offsets = np.cumsum([0, *map(len, truncated)])
         self._ids = np.fromiter(itertools.chain.from_iterable(truncated), dtype=np.int64, count=self._offsets[-1])

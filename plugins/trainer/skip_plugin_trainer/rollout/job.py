@@ -22,7 +22,7 @@ from skip_core.config import ConfigError, StepSet
 from skip_core.manager import SkipManager
 from skip_core.schedule import GLOBAL_STEPS, INDEX_BASE
 
-from skip_plugin_trainer.data import PromptLoader, generation_inputs
+from skip_plugin_trainer.data import PromptLoader, RLDataset, generation_inputs
 from skip_plugin_trainer.rollout.agent_loop import AgentLoop
 from skip_plugin_trainer.rollout.parts import RolloutParts, load_tokenizer, prepare_task, prompt_loader
 from skip_plugin_trainer.rollout.stats import merge_rollout_stats
@@ -84,8 +84,8 @@ def run(config: Any, console: Console) -> Totals:
     tokenizer = load_tokenizer(settings)
     loader = prompt_loader(settings, tokenizer, parts.tools)
     check_steps(settings.steps, trainer, batches=len(loader))  # before the engine loads the model
+    rewarder = task_rewarder(settings, tokenizer, loader.dataset)
     loop = parts.agent_loop(settings, tokenizer)
-    rewarder = _rewarder(settings, tokenizer)
     totals = Totals()
     start = time.perf_counter()
     try:
@@ -183,13 +183,16 @@ def summary(totals: Totals, settings: RolloutSettings, seconds: float, loaded: b
     return table
 
 
-def _rewarder(settings: RolloutSettings, tokenizer: Any) -> Any:
-    """The configured reward function, for the task score; None without a task."""
+def task_rewarder(settings: RolloutSettings, tokenizer: Any, dataset: RLDataset) -> Any:
+    """The configured reward function, for the task score, checked against the rows of
+    ``dataset`` (``data.train_files``) as ``skip run`` checks them; None without a task."""
     if settings.task.name is None:
         return None
     from skip_plugin_trainer.reward import Rewarder
 
-    return Rewarder(settings.reward, tokenizer, settings.data.max_response_length)
+    rewarder = Rewarder(settings.reward, tokenizer, settings.data.max_response_length)
+    rewarder.check_data(dataset, "data.train_files")
+    return rewarder
 
 
 def _scores(rewarder: Any, prompts: Batch, batch: Batch) -> np.ndarray | None:

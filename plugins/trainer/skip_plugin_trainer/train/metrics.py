@@ -49,6 +49,9 @@ def data_metrics(batch: Batch) -> dict[str, float]:
     }
     if "num_turns" in batch.non_tensor_batch:
         metrics.update(_stats("num_turns", np.asarray(batch.non_tensor_batch["num_turns"], dtype=np.float64)))
+    for part, name in (("reward_timed_out", "reward/timeouts"), ("reward_non_finite", "reward/non_finite")):
+        if part in batch.non_tensor_batch:  # samples the reward function gave no score for: they score 0
+            metrics[name] = float(np.count_nonzero(np.asarray(batch.non_tensor_batch[part], dtype=bool)))
     if "overlong_reward" in batch.non_tensor_batch:  # reward.overlong_buffer (DAPO)
         overlong = np.asarray(batch.non_tensor_batch["overlong_reward"], dtype=np.float64)
         metrics["reward/overlong_reward/mean"] = float(overlong.mean())

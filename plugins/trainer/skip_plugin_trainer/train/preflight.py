@@ -69,7 +69,7 @@ def check_writable(path: Path) -> None:
 
 def load_data(s: RunSettings, parts: RolloutParts) -> tuple[Any, PromptLoader, RLDataset | None, Rewarder]:
     """The tokenizer, the training prompts, the validation set (when validation runs) and the
-    rewarder, checked: every row's data_source has a scorer, and the workers split the validation
+    rewarder, checked: ``reward.function=task`` can score every row, and the workers split the validation
     set; with LoRA, its target modules are checked against the model."""
     if s.model.lora_rank:
         from skip_plugin_trainer.train.lora import check_targets
@@ -82,9 +82,9 @@ def load_data(s: RunSettings, parts: RolloutParts) -> tuple[Any, PromptLoader, R
         schemas = {name: tool.schema for name, tool in parts.tools.items()}
         val = RLDataset(s.data.val_files, tokenizer, s.data, schemas, files_key="data.val_files")
     rewarder = Rewarder(s.reward, tokenizer, s.data.max_response_length)
-    rewarder.check_sources({row["data_source"] for row in loader.dataset}, "data.train_files")
+    rewarder.check_data(loader.dataset, "data.train_files")
     if val is not None:
-        rewarder.check_sources({row["data_source"] for row in val}, "data.val_files")
+        rewarder.check_data(val, "data.val_files")
         workers = s.resources.rollout.workers
         if len(val) % workers:
             raise ConfigError(
