@@ -141,3 +141,15 @@ def sglang_on_cpu() -> None:
         sys.path.insert(0, folder)
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [folder, os.environ.get("PYTHONPATH")]))
     import sglang_on_cpu  # noqa: F401  # this process started before PYTHONPATH named the folder
+
+
+def deep_tree(top, depth: int = 1_100):
+    """``top/d/d/.../d`` (``depth`` levels), made one level at a time: os.makedirs recurses too."""
+    os.mkdir(top)
+    fd = os.open(top, os.O_RDONLY)
+    for _ in range(depth):
+        os.mkdir("d", dir_fd=fd)
+        fd, parent = os.open("d", os.O_RDONLY, dir_fd=fd), fd
+        os.close(parent)
+    os.close(fd)
+    return top

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import time
 import warnings
@@ -14,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from skip_core import entries as cache_entries
-from skip_core.console import console
+from skip_core.console import console, printable
 from skip_core.errors import TRACEBACK_SWITCH, SkipError
 
 
@@ -38,7 +37,10 @@ class _Commands(click.Group):
         except SkipError as exc:
             if os.environ.get(TRACEBACK_SWITCH) == "1":
                 raise
-            raise click.ClickException(" ".join(str(exc).split())) from None
+            raise click.ClickException(printable(" ".join(str(exc).split()))) from None
+        except click.ClickException as exc:  # any command's: its names may come from disk
+            exc.message = printable(exc.message)
+            raise
 
     def resolve_command(self, ctx: click.Context, args: list[str]):
         from skip_core.config import install_hint
@@ -63,7 +65,7 @@ def cli() -> None:
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     """A warning as a user reads it: its category and message on one line, not the source line
     that raised it."""
-    return f"{category.__name__}: {' '.join(str(message).split())}\n"
+    return f"{category.__name__}: {printable(' '.join(str(message).split()))}\n"
 
 
 @cli.command()
@@ -87,12 +89,13 @@ def cache() -> None:
 
 
 def _entries(directory: Path, deep: bool):
+    """``(path, meta, problem)`` of each step directory, ``problem`` a ``CorruptEntry`` or ``None``."""
     for path in cache_entries.scan(directory):
         try:
             meta = cache_entries.verify(path, deep=deep, root=directory)
             yield path, meta, None
         except cache_entries.CorruptEntry as exc:
-            yield path, None, str(exc)
+            yield path, None, exc
 
 
 def _entry_table(directory: Path, deep: bool) -> tuple[Table, int]:
@@ -103,7 +106,8 @@ def _entry_table(directory: Path, deep: bool) -> tuple[Table, int]:
         meta = meta or {}
         size = sum(f["bytes"] for f in meta["files"].values()) / 1e6 if meta else 0.0
         ok = Text("ok" + ("" if deep else " (sizes)"), style="green")
-        status = Text(f"corrupt: {problem}", style="red") if problem else ok
+        kind = "foreign" if isinstance(problem, cache_entries.ForeignEntry) else "corrupt"
+        status = Text(f"{kind}: {problem}", style="red") if problem else ok
         # Text cells: names and reasons come from files on disk and must never be read as markup.
         where = str(path.relative_to(directory)) if path != directory else "."
         cells = (meta.get("role", "?"), path.name, meta.get("samples", "?"), f"{size:.1f}")
@@ -142,11 +146,17 @@ def cache_verify(directory: Path) -> None:
     "process that wrote it cannot be asked (another host, an older skip): it may be a dump in progress.",
 )
 def cache_prune(directory: Path, dry_run: bool, min_age: float) -> None:
-    """Remove corrupt entries and leftovers of interrupted dumps under DIRECTORY."""
-    # A directory holding files skip did not write (a verl dump) is the user's, corrupt or not;
-    # a link is removed, never what it points to.
-    entries = _entries(directory, deep=True)
-    doomed = [(p, f"corrupt: {why}") for p, _, why in entries if why and not cache_entries.foreign_files(p)]
+    """Remove corrupt entries and leftovers of interrupted dumps under DIRECTORY: skip's own files in
+    them only; what else they hold, and entries of other formats or versions, are left and named."""
+    # A link is removed, never what it points to.
+    doomed, foreign = [], []
+    for path, _, problem in _entries(directory, deep=True):
+        if isinstance(problem, cache_entries.ForeignEntry):
+            foreign.append((path, problem))
+        elif problem is not None:
+            doomed.append((path, f"corrupt: {problem}"))
+    for path, problem in foreign:
+        console.print(f"left {path} as it is: {problem}", markup=False, highlight=False)
     now = time.time()
     for path in cache_entries.leftovers(directory):
         if cache_entries.abandoned_leftover(path) or now - path.lstat().st_mtime >= min_age:
@@ -173,18 +183,14 @@ def _count(n: int) -> str:
 
 
 def _remove(path: Path) -> str | None:
-    """Delete ``path`` (a link itself, never its target); what went wrong, or ``None``."""
-    errors: list[str] = []
+    """Delete skip's files of ``path`` and then it (a link itself, never its target); what went
+    wrong, or ``None``."""
     try:
-        if path.is_symlink() or not path.is_dir():
-            path.unlink()
-        else:
-            shutil.rmtree(path, onerror=lambda _f, p, exc: errors.append(f"{p}: {exc[1].strerror or exc[1]}"))
+        if left := cache_entries.remove(path):
+            return f"holds {', '.join(left)}, which skip did not write: left there"
     except OSError as exc:
-        errors.append(exc.strerror or str(exc))
-    if os.path.lexists(path):
-        return errors[0] if errors else "still there"
-    return None
+        return exc.strerror or str(exc)
+    return "still there" if os.path.lexists(path) else None
 
 
 def _plugin_commands() -> None:

@@ -48,12 +48,13 @@ def write(batch: Any, directory: Path) -> list[str]:
     return [TENSORS, DATA]
 
 
-def read(directory: Path, payload: Any = None) -> Any:
+def read(directory: Path, payload: Any = None, size: int | None = None) -> Any:
     """Load a batch written by ``write``; tensors stay backed by the memory-mapped file.
 
-    ``payload``: ``data.json`` already read (``CacheStore.load`` reads it bounded and checked);
-    by default it is read here, through ``skip_core.reading``. ``ValueError`` for anything that is
-    not what ``write`` wrote.
+    ``payload``: ``data.json`` already read (``CacheStore.load`` reads it bounded and checked),
+    ``size`` its bytes; by default it is read here, through ``skip_core.reading``. ``ValueError``
+    for anything that is not what ``write`` wrote, or whose arrays would take more memory than
+    its size allows (``decode``).
     """
     from safetensors.torch import load_file
 
@@ -61,10 +62,12 @@ def read(directory: Path, payload: Any = None) -> Any:
     from skip_core.batch import Batch
 
     if payload is None:
-        payload = reading.read_json(directory / DATA, (directory / DATA).stat().st_size)
+        size = (directory / DATA).stat().st_size
+        payload = reading.read_json(directory / DATA, size)
+    budget = _Budget(size or 0)
     try:
-        non_tensors = {k: decode(v) for k, v in payload["non_tensor_batch"].items()}
-        meta_info = decode(payload.get("meta_info", {}))
+        non_tensors = {k: decode(v, budget) for k, v in payload["non_tensor_batch"].items()}
+        meta_info = decode(payload.get("meta_info", {}), budget)
     except (KeyError, TypeError, AttributeError, OverflowError) as exc:  # shapes JSON can take that write never gave
         raise ValueError(f"{DATA} does not decode: {exc!r}") from None
     if not isinstance(meta_info, dict) or not all(isinstance(v, np.ndarray) for v in non_tensors.values()):
@@ -158,36 +161,60 @@ def _encode_array(array: np.ndarray, where: str) -> dict:
     return {_TAG: "ndarray", "dtype": array.dtype.str, "shape": list(array.shape), "items": items}
 
 
-def decode(value: Any) -> Any:
-    """Inverse of ``encode``; raises ``ValueError`` on anything it did not produce."""
+class _Budget:
+    """The bytes of arrays a JSON text of ``size`` bytes may declare: a dtype names its item size
+    (``<U100000000`` is 400 MB an item), so 31 KB of items could ask for gigabytes."""
+
+    def __init__(self, size: int) -> None:
+        from skip_core.reading import JSON_AMPLIFICATION, JSON_FLOOR
+
+        self.size = size
+        self.limit = self.left = max(JSON_AMPLIFICATION * size, JSON_FLOOR)
+
+    def take(self, dtype: np.dtype, count: int) -> None:
+        self.left -= dtype.itemsize * count
+        if self.left < 0:
+            raise ValueError(
+                f"its arrays (the last: {count} items of {dtype.str}) declare more than the {self.limit} bytes "
+                f"allowed for its {self.size} bytes"
+            )
+
+
+def decode(value: Any, budget: _Budget | None = None) -> Any:
+    """Inverse of ``encode``; raises ``ValueError`` on anything it did not produce, and on arrays
+    declaring more bytes than ``budget`` (by default ``reading.JSON_FLOOR``) allows."""
+    budget = _Budget(0) if budget is None else budget
     if isinstance(value, list):
-        return [decode(v) for v in value]
+        return [decode(v, budget) for v in value]
     if not isinstance(value, dict):
         return value
     tag = value.get(_TAG)
     if tag is None:
-        return {k: decode(v) for k, v in value.items()}
+        return {k: decode(v, budget) for k, v in value.items()}
     if tag == "ndarray":
-        return _decode_array(value)
+        return _decode_array(value, budget)
     if tag == "scalar":
         return np.dtype(_dtype(value["dtype"])).type(value["value"])
     if tag == "tuple":
-        return tuple(decode(v) for v in value["items"])
+        return tuple(decode(v, budget) for v in value["items"])
     if tag == "bytes":
         return base64.b64decode(value["base64"], validate=True)
     if tag == "dict":
-        return {_hashable(decode(k)): decode(v) for k, v in value["items"]}
+        return {_hashable(decode(k, budget)): decode(v, budget) for k, v in value["items"]}
     raise ValueError(f"unknown tag {tag!r}")
 
 
-def _decode_array(value: dict) -> np.ndarray:
+def _decode_array(value: dict, budget: _Budget) -> np.ndarray:
     dtype = _dtype(value["dtype"])
     shape = tuple(int(n) for n in value["shape"])
     items = value["items"]
+    if not isinstance(items, list):
+        raise ValueError(f"array items are a {type(items).__name__}, not a list")
+    budget.take(dtype, len(items))  # before numpy allocates a byte
     if dtype.kind == "O":
         array = np.empty(len(items), dtype=object)
         for i, item in enumerate(items):
-            array[i] = decode(item)
+            array[i] = decode(item, budget)
     else:
         array = np.array(items, dtype=dtype)
     return array.reshape(shape)

@@ -4,6 +4,7 @@ dump directory (``scan``, ``leftovers``)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import mmap
 import os
@@ -24,6 +25,8 @@ FORMAT = "skip-cache"
 VERSION = 1
 META = "meta.json"
 DATA_FILES = frozenset({encoding.TENSORS, encoding.DATA})
+#: What a step directory of this format holds, all skip ever removes from one.
+OWN_FILES = DATA_FILES | {META}
 MAX_META_BYTES = 1 << 20
 #: data.json holds a batch's non-tensor data (messages, tool calls): larger is refused unread.
 MAX_DATA_BYTES = 1 << 30
@@ -41,6 +44,11 @@ class CorruptEntry(Exception):
         self.path = path
 
 
+class ForeignEntry(CorruptEntry):
+    """A step directory that is not this skip's to load, replace or prune: it holds files skip
+    does not write (a verl dump, a user's), or it records another format or version."""
+
+
 def path_kind(path: Path) -> str | None:
     """``"directory"``, ``"link"``, ``"other"`` or ``None`` when absent, from one ``lstat``:
     another writer may be replacing ``path`` meanwhile."""
@@ -52,14 +60,43 @@ def path_kind(path: Path) -> str | None:
 
 
 def foreign_files(path: Path) -> list[str]:
-    """Files of a step directory that skip does not write (a verl dump's ``gen_batch.dp``); a link
-    is never listed through."""
+    """What a step directory holds that skip does not write: other names (a verl dump's
+    ``gen_batch.dp``), and directories under skip's names (``data.json/``, holding anything);
+    a link is never listed through."""
     if os.path.islink(path):
         return []
     try:  # another writer may be replacing it right now
-        return sorted(set(os.listdir(path)) - DATA_FILES - {META})
+        names = os.listdir(path)
     except (FileNotFoundError, NotADirectoryError):
         return []
+    return sorted(f"{name}/" if name in OWN_FILES else name for name in names if not _removable(path, name))
+
+
+def _removable(directory: Path, name: str) -> bool:
+    """One of skip's names, and not a directory: a file skip wrote, or a link or pipe planted
+    there, which unlinking removes without touching what it points to."""
+    try:
+        return name in OWN_FILES and not stat.S_ISDIR(os.lstat(directory / name).st_mode)
+    except FileNotFoundError:
+        return True
+
+
+def remove(path: Path) -> list[str]:
+    """Delete a step directory skip wrote (an entry, or the temporary or trash directory of one):
+    its own files (``OWN_FILES``, never a directory), then the directory once it is empty. What
+    is left, named in the result, is someone else's and stays, with the directory; a link is
+    removed itself. Never recursive, so never deeper than one level."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        os.unlink(path)
+        return []
+    left = foreign_files(path)
+    for name in sorted(OWN_FILES):
+        if _removable(path, name):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path / name)
+    if not left:
+        os.rmdir(path)
+    return left
 
 
 def verify(
@@ -84,11 +121,15 @@ def verify(
         raise CorruptEntry("the step directory is a symbolic link; skip never follows links in a cache", path)
     if kind != "directory":
         raise CorruptEntry("not a directory", path)
+    if other := foreign_files(path):
+        raise ForeignEntry(f"holds {', '.join(other)}, which skip did not write", path)
     meta = _read_meta(path / META, root)
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        if other := foreign_files(path):
-            raise CorruptEntry(f"not a skip entry: holds {', '.join(other)}", path)
-        raise CorruptEntry(f"unsupported format {meta.get('format')!r} version {meta.get('version')!r}", path)
+        raise ForeignEntry(
+            f"written as format {meta.get('format')!r} version {meta.get('version')!r}, which this skip "
+            f"(format {FORMAT!r} version {VERSION}) neither reads nor replaces",
+            path,
+        )
     if str(meta.get("step")) != path.name:
         raise CorruptEntry(f"meta.json records step {meta.get('step')!r} in directory {path.name!r}", path)
     if role is not None and meta.get("role") != role:
@@ -182,8 +223,7 @@ def scan(root: Path) -> Iterator[Path]:
     if STEP_NAME.fullmatch(root.name) and _holds_steps(root.parent):
         yield root
         return
-    for dirpath, dirnames, filenames in os.walk(root):
-        here = Path(dirpath)
+    for here, dirnames, filenames in reading.walk(root):
         if _holds_steps(here):
             steps = {name for name in (*dirnames, *filenames) if STEP_NAME.fullmatch(name)}
             yield from (here / name for name in sorted(steps, key=lambda n: (len(n), n)))
@@ -207,8 +247,8 @@ def abandoned_leftover(path: Path) -> bool:
 
 def leftovers(root: Path) -> Iterator[Path]:
     """Temporary and trash directories left by interrupted dumps under ``root``."""
-    for dirpath, dirnames, _ in os.walk(root):
+    for here, dirnames, _ in reading.walk(root):
         for name in list(dirnames):
             if name.startswith(LEFTOVER_PREFIXES):
                 dirnames.remove(name)
-                yield Path(dirpath) / name
+                yield here / name

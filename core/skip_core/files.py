@@ -8,15 +8,16 @@ could not read a shared cache or checkpoint. Everything here is given the mode `
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import fcntl
 import os
 import re
-import shutil
 import socket
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -105,9 +106,55 @@ def abandoned(name: str, prefix: str) -> bool:
     return False
 
 
-def remove_abandoned(directory: Path, prefixes: tuple[str, ...]) -> list[Path]:
-    """Delete the entries of ``directory`` that ``abandoned`` calls leftovers; return those removed.
-    Never fails: what cannot be listed or removed stays."""
+def delete_tree(path: Path) -> None:
+    """Delete a directory skip wrote (a link: itself only) and whatever is in it, as far as it can.
+    Never follows a link, and never recurses: ``shutil.rmtree`` does, once per level, and a tree
+    1,100 levels deep ends it in a ``RecursionError`` (which ``ignore_errors`` does not catch)."""
+    try:
+        top = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        return
+    # The directories being emptied, each opened in its parent: descriptor, name, what stays in it.
+    stack: list[tuple[int, str, set[str]]] = [(top, str(path), set())]
+    while stack:
+        here, _, kept = stack[-1]
+        try:
+            with os.scandir(here) as found:
+                entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in found if e.name not in kept]
+        except OSError:
+            entries = []
+        for name, is_dir in entries:
+            if not is_dir:
+                try:
+                    os.unlink(name, dir_fd=here)
+                except OSError:
+                    kept.add(name)
+        below = next((name for name, is_dir in entries if is_dir), None)
+        if below is not None:
+            try:
+                stack.append((os.open(below, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=here), below, set()))
+            except OSError:
+                kept.add(below)
+            continue
+        os.close(here)
+        _, name, _ = stack.pop()
+        try:
+            if stack:
+                os.rmdir(name, dir_fd=stack[-1][0])
+            else:
+                os.rmdir(path)
+        except OSError:
+            if stack:
+                stack[-1][2].add(name)
+
+
+def remove_abandoned(
+    directory: Path, prefixes: tuple[str, ...], delete: Callable[[Path], object] = delete_tree
+) -> list[Path]:
+    """Delete, with ``delete``, the entries of ``directory`` that ``abandoned`` calls leftovers;
+    return those removed. Never fails: what cannot be listed or removed stays."""
     removed = []
     try:
         names = os.listdir(directory)
@@ -116,11 +163,8 @@ def remove_abandoned(directory: Path, prefixes: tuple[str, ...]) -> list[Path]:
     for name in names:
         if any(abandoned(name, prefix) for prefix in prefixes):
             path = Path(directory) / name
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                with contextlib.suppress(OSError):
-                    path.unlink()
+            with contextlib.suppress(OSError):
+                delete(path)
             if not os.path.lexists(path):
                 removed.append(path)
     return removed
@@ -131,8 +175,9 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:64] or "_"
 
 
-def publish(tmp: Path, final: Path, attempts: int = 16) -> None:
-    """Rename the directory ``tmp`` onto ``final``; an existing one is moved aside and deleted first.
+def publish(tmp: Path, final: Path, attempts: int = 16, delete: Callable[[Path], object] = delete_tree) -> None:
+    """Rename the directory ``tmp`` onto ``final``; an existing one is moved aside and deleted
+    first, with ``delete``.
 
     Concurrent writers of one target each retry until their rename lands; the last one wins,
     and every intermediate state is a complete directory or none.
@@ -150,13 +195,15 @@ def publish(tmp: Path, final: Path, attempts: int = 16) -> None:
             os.rename(final, trash)
         except FileNotFoundError:
             continue
-        shutil.rmtree(trash, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            delete(trash)
     raise OSError(f"could not replace {final}: other writers kept replacing it")
 
 
 LOCK = ".skip.lock"
 _MAX_HOLDER = 512  # what a holder writes of itself; a lock file is read no further
-_held: dict[tuple[int, int], list] = {}  # (device, inode) of a lock file -> [descriptor, holds], this process's
+_held: dict[Path, list] = {}  # directory -> [its lock file's descriptor, holds], this process's
+_holding = threading.Lock()  # the threads of one process take and release ``_held`` one at a time
 
 
 class DirectoryInUse(SkipError):
@@ -168,22 +215,52 @@ def exclusive(directory: Path, what: str) -> Iterator[None]:
     """Hold ``directory``'s advisory lock (``flock`` on ``.skip.lock`` in it) for the block:
     a second process asking for it gets ``DirectoryInUse`` naming the holder (pid, host and
     ``what`` it is doing), while this process may take it again (two managers of one run). The
-    kernel releases the lock when the holder dies, so a killed run never leaves it held."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    lock file goes with the last release; the kernel releases the lock of a holder that dies, so
+    a killed run never leaves it held, only the file, which the next holder takes over."""
+    directory = Path(directory).absolute()
+    with _holding:
+        if directory in _held:  # flock is per open file: this process's own second open would be refused
+            _held[directory][1] += 1
+        else:
+            if not _held:  # a lock still held at exit (a manager never reset) goes with the process, file too
+                atexit.register(_release_all)
+            _held[directory] = [_take(directory, what), 1]
     try:
-        fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
-    except OSError as exc:
-        if exc.errno != errno.ELOOP:
-            raise
-        raise DirectoryInUse(
-            f"{directory / LOCK} is a symbolic link; skip never locks through one: remove it"
-        ) from None
-    key = (os.fstat(fd).st_dev, os.fstat(fd).st_ino)
-    if key in _held:  # flock is per open file: this process's own second open would be refused
-        os.close(fd)
-        _held[key][1] += 1
-    else:
+        yield
+    finally:
+        with _holding:
+            if directory in _held:
+                _held[directory][1] -= 1
+                if not _held[directory][1]:
+                    _release(directory)
+
+
+def _release(directory: Path) -> None:
+    fd = _held.pop(directory)[0]
+    with contextlib.suppress(OSError):  # still locked: nobody else can be holding this very file
+        os.unlink(directory / LOCK)
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
+def _release_all() -> None:
+    with _holding:
+        for directory in list(_held):
+            _release(directory)
+
+
+def _take(directory: Path, what: str) -> int:
+    """A descriptor of ``directory``'s lock file, locked by this process and naming it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    while True:
+        try:
+            fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise DirectoryInUse(
+                f"{directory / LOCK} is a symbolic link; skip never locks through one: remove it"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -194,14 +271,12 @@ def exclusive(directory: Path, what: str) -> Iterator[None]:
             raise DirectoryInUse(
                 f"{directory} is in use by {printable(holder)}; wait for it to end, or give this run another directory"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} ({what})".encode()[:_MAX_HOLDER], 0)
-        _held[key] = [fd, 1]
-    try:
-        yield
-    finally:
-        _held[key][1] -= 1
-        if not _held[key][1]:
-            fd = _held.pop(key)[0]
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+        try:  # the file a releasing holder unlinked meanwhile is no lock: take the one now in its place
+            if os.stat(directory / LOCK, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} ({what})".encode()[:_MAX_HOLDER], 0)
+    return fd

@@ -32,6 +32,7 @@ from skip_core.caching import SetupMismatchWarning
 from skip_core.config import ConfigError, Namespace, RoleConfig, StepSet, select
 from skip_core.entries import CorruptEntry
 from skip_core.errors import SkipError
+from skip_core.files import DirectoryInUse
 from skip_core.layout import Layout
 from skip_core.plugins import pm, registry
 from skip_core.provenance import Setup
@@ -66,13 +67,16 @@ def _trainer_step() -> int | None:
 
 
 class _Slot:
-    __slots__ = ("config", "enabled", "name", "online", "role", "steps", "store")
+    __slots__ = ("config", "enabled", "name", "online", "refused", "role", "steps", "store")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.deactivate()
 
     def deactivate(self) -> None:
+        if getattr(self, "store", None) is not None:
+            self.store.release()
+        self.refused = False  # dumps refused: another live process writes this namespace
         self.enabled = False
         self.online = False
         self.steps: StepSet | frozenset[int] = frozenset()
@@ -158,7 +162,20 @@ class _Slot:
 
     def dump(self, plan: tuple[int, Call, CacheStore], result: Any) -> None:
         step, call, store = plan
-        if store.read_only:  # said once, at init
+        if store.read_only or self.refused:  # said once
+            return
+        try:  # the writer holds the namespace: another process's run on it would delete nothing of ours
+            store.hold(f"dumping skip.{self.name}")
+        except DirectoryInUse as exc:
+            self.refused = True
+            warnings.warn(f"skip.{self.name}: nothing is dumped: {exc}", CacheWarning, stacklevel=3)
+            return
+        except OSError as exc:
+            warnings.warn(
+                f"skip.{self.name} step {step}: dump failed, training continues: {exc!r} (writing {store.path(step)})",
+                CacheWarning,
+                stacklevel=3,
+            )
             return
         kwargs = dict(role=self.role, config=self.config, store=store, step=step, call=call, result=result)
         # Announced before the call returns, so the next lookup of this entry waits for it.
@@ -321,6 +338,15 @@ class SkipManager:
         for a plugin whose calls do not fit one decorated function (verl's TransferQueue role)."""
         slot = _slots.get(role)
         return (slot.role, slot.config, slot.store) if slot is not None and slot.enabled else None
+
+    @classmethod
+    def hold(cls, what: str) -> None:
+        """Hold the namespace of every enabled role that writes, as its dumps will (``CacheStore.hold``),
+        now: a trainer stops before any work, in one line (``DirectoryInUse``), when another live
+        process writes one of them. ``what``: this process's work, as that line will name it."""
+        for slot in _slots.values():
+            if slot.enabled and not slot.store.read_only:
+                slot.store.hold(what)
 
     @classmethod
     def stores(cls) -> dict[str, CacheStore]:

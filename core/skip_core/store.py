@@ -21,6 +21,7 @@ or a read without end.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skip_core import encoding, reading
+from skip_core import encoding, reading, writing
 from skip_core.config import Namespace
 from skip_core.entries import (
     FORMAT,
@@ -44,12 +45,13 @@ from skip_core.entries import (
     STEP_NAME,
     VERSION,
     CorruptEntry,
-    foreign_files,
+    ForeignEntry,
     path_kind,
+    remove,
     seal,
     verify,
 )
-from skip_core.files import fsync_dir, owned, publish, remove_abandoned, write_synced
+from skip_core.files import exclusive, fsync_dir, owned, publish, remove_abandoned, write_synced
 from skip_core.layout import Expected, header
 from skip_core.pending import PendingWrite, pending_writes
 from skip_core.provenance import Setup
@@ -101,6 +103,9 @@ class CacheStore:
         # ``rollout`` keeps verl's layout; other roles nest under their name, so roles sharing
         # a dump_dir never share a step directory.
         self.directory = (run if role == "rollout" else run / safe_name(role)) / namespace.shape
+        # The namespace's lock while this store (and its generations') writes it: ``hold``.
+        self._lock: list[contextlib.ExitStack] = []
+        self._namespace = self.directory
 
     def path(self, step: int) -> Path:
         return self.directory / str(int(step))
@@ -120,13 +125,27 @@ class CacheStore:
         with tempfile.NamedTemporaryFile(dir=self.directory, prefix=owned(".tmp-probe-")):
             pass
 
+    def hold(self, what: str) -> None:
+        """Hold the namespace's lock (``skip_core.files.exclusive``) until ``release``: another
+        process's ``hold`` then stops with ``DirectoryInUse`` naming this one and ``what`` it does."""
+        if not self._lock:
+            self._makedirs()
+            stack = contextlib.ExitStack()
+            stack.enter_context(exclusive(self._namespace, what))
+            self._lock.append(stack)
+
+    def release(self) -> None:
+        while self._lock:
+            self._lock.pop().close()
+
     def remove_leftovers(self) -> list[Path]:
         """Delete what killed dumps of this namespace left (``.tmp-*``, ``.trash-*`` of processes
-        that are gone; see ``skip_core.files.abandoned``), here and in the generations' directories."""
-        removed = remove_abandoned(self.directory, LEFTOVER_PREFIXES)
+        that are gone; see ``skip_core.files.abandoned``), here and in the generations' directories:
+        skip's own files in them only (``entries.remove``)."""
+        removed = remove_abandoned(self.directory, LEFTOVER_PREFIXES, remove)
         for generation in self.directory.glob("generation_*"):
             if not generation.is_symlink():
-                removed += remove_abandoned(generation, LEFTOVER_PREFIXES)
+                removed += remove_abandoned(generation, LEFTOVER_PREFIXES, remove)
         return removed
 
     def expect(self, step: int) -> PendingWrite:
@@ -186,7 +205,7 @@ class CacheStore:
             payload = reading.read_json(entry.path / encoding.DATA, files[encoding.DATA]["bytes"], self.root)
             with reading.opened(entry.path / encoding.TENSORS, files[encoding.TENSORS]["bytes"], self.root):
                 pass
-            return encoding.read(entry.path, payload)
+            return encoding.read(entry.path, payload, files[encoding.DATA]["bytes"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CorruptEntry(f"cannot load it: {exc}", entry.path) from None
 
@@ -213,24 +232,27 @@ class CacheStore:
             write_synced(tmp / META, json.dumps(meta, indent=1).encode())
             fsync_dir(tmp)
             final = self.path(step)
-            if path_kind(final) not in (None, "directory"):  # one lstat: other writers may be replacing it
-                raise FileExistsError(f"{final} is not a directory skip wrote (a link or a file); left as it is")
-            if foreign := foreign_files(final):  # replacing deletes: never what skip did not write
-                raise FileExistsError(f"{final} holds files skip did not write ({', '.join(foreign)}); left as it is")
-            publish(tmp, final)
+            self._check_replaceable(final)
+            publish(tmp, final, delete=remove)  # what the old entry holds of someone else's stays
             fsync_dir(self.directory)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return final
 
+    def _check_replaceable(self, final: Path) -> None:
+        """Refuse to replace what is not this skip's entry (a corrupt one of its own is replaced)."""
+        kind = path_kind(final)  # one lstat: other writers may be replacing it
+        if kind not in (None, "directory"):
+            raise FileExistsError(f"{final} is not a directory skip wrote (a link or a file); left as it is")
+        if kind == "directory":
+            try:
+                verify(final, deep=False, root=self.root)
+            except ForeignEntry as exc:
+                raise FileExistsError(f"{final}: {exc}; left as it is") from None
+            except CorruptEntry:
+                pass
+
     def _makedirs(self) -> None:
-        """Create the namespace directories one by one, never following a link out of the root."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        root = self.root.resolve()
-        current = self.root
-        for part in self.directory.relative_to(self.root).parts:
-            current = current / part
-            if not current.resolve().is_relative_to(root):
-                raise PermissionError(f"{current} resolves outside the dump directory {root}; refusing to write")
-            current.mkdir(exist_ok=True)
+        """Create the namespace directories below the dump directory, never following a link."""
+        writing.makedirs(self.root, self.directory.relative_to(self.root))

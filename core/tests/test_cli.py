@@ -70,6 +70,28 @@ def test_names_from_disk_are_never_read_as_markup(cache, tmp_path):
     assert invoke("cache", "prune", tmp_path, "--dry-run").exit_code == 0
 
 
+@pytest.mark.parametrize("command", ["ls", "verify", "prune"])
+def test_terminal_escapes_from_disk_never_reach_the_terminal(cache, tmp_path, command):
+    """A clear-screen, a window title and hidden text in names and meta.json: shown escaped."""
+    meta = json.loads((cache.path(1) / "meta.json").read_text())
+    meta["role"] = "\x1b[2Jrollout\x1b]0;pwned\x07"
+    (cache.path(1) / "meta.json").write_text(json.dumps(meta))
+    (cache.path(2) / "data.json").rename(cache.path(2) / "\x1b[8mhidden")  # a foreign file name
+    os.rename(tmp_path / "exp_proj", tmp_path / "exp\x1b[31mproj")
+    result = invoke("cache", command, tmp_path)
+    assert "\x1b" not in result.output and "\x07" not in result.output
+    assert "\\x1b[8mhidden" in result.output  # named, escaped
+
+
+def test_a_one_line_error_and_a_warning_are_escaped_too(tmp_path):
+    from skip_core.cli import _one_line_warning
+
+    assert _one_line_warning("step\x1b[2J\nnext", UserWarning, "f.py", 1) == "UserWarning: step\\x1b[2J next\n"
+    missing = tmp_path / "run\x1b]0;title\x07"
+    result = CliRunner().invoke(cli, ["cache", "ls", str(missing)])
+    assert result.exit_code == 2 and "\x1b" not in result.output
+
+
 def table_rows(output: str) -> list[list[str]]:
     """The body rows of a table the CLI printed, each as its cells."""
     return [[cell.strip() for cell in line.split("│")[1:-1]] for line in output.splitlines() if line.startswith("│")]
@@ -127,9 +149,10 @@ def test_prune_keeps_a_directory_holding_files_skip_did_not_write(cache, tmp_pat
     (verl_dump / "meta.json").write_text('{"global_steps": 4}')
     corrupt_one_byte(cache.path(3) / "data.json")
 
-    assert "corrupt: not a skip entry: holds gen_batch.dp" in invoke("cache", "ls", tmp_path).output
+    assert "foreign: holds gen_batch.dp, which skip did not write" in invoke("cache", "ls", tmp_path).output
     result = invoke("cache", "prune", tmp_path)
 
+    assert f"left {verl_dump} as it is: holds gen_batch.dp, which skip did not write" in result.output
     assert "1 directory removed" in result.output
     assert sorted(p.name for p in cache.directory.iterdir()) == ["1", "2", "4"]
     assert (verl_dump / "gen_batch.dp").read_bytes() == b"verl's rollout"
