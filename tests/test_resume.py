@@ -1,18 +1,29 @@
 """Resume after SIGKILL, for every schedule: the driver and its Ray processes die at once, as on
 a lost machine, and the resumed run trains the steps and the data an uninterrupted run would.
 What a resumed run reads back may be damaged: a corrupt newest checkpoint costs neither the run
-nor the checkpoint it resumes from, and a metrics line nested past any reader is dropped."""
+nor the checkpoint it resumes from, shards recorded again over other contents are passed over
+as corrupt, and a metrics line nested past any reader is dropped. A run directory is one run's:
+a second run on it stops in one line."""
 
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
+import sys
 import time
 
 import pytest
+from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.torch import save_file
+from skip_core import entries
+from skip_core.cli import cli
 from skip_plugin_trainer.train.checkpoint import LATEST, CheckpointWarning
 from skip_plugin_trainer.train.tracking import Tracking
-from training import fingerprints, held_command, metrics, train
+from skiptests import CONFIGS
+from training import fingerprints, held_command, metrics, overrides, train
 
 # What each schedule caches (a batch per trainer step, or one entry per streamed sample, by feed
 # index), the step whose lookup the killed run never gets past, and its last checkpoint then.
@@ -123,3 +134,82 @@ def test_a_metrics_line_nested_past_any_reader_is_dropped_on_resume(tmp_path):
     tracking.close()
     assert tracking.history == rows
     assert metrics(tmp_path) == rows
+
+
+def skip_run_fails(*args: str) -> list[str]:
+    """The lines of a ``skip run`` (in this process) that fails with one ``Error:`` line, the last."""
+    result = CliRunner().invoke(cli, ["run", "--config-dir", str(CONFIGS), *args])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    lines = result.output.splitlines()
+    assert [line for line in lines if line.startswith("Error:")] == lines[-1:], result.output
+    return lines
+
+
+HOLD = "import sys; from skip_core import files\nwith files.exclusive(sys.argv[1], 'skip run'): print(); input()"
+
+
+def test_a_second_run_on_a_run_directory_in_use_stops_in_one_line_naming_the_first(task_dir, tmp_path):
+    """Two runs on one directory would delete each other's saves and interleave their metrics. The
+    first holds the directory (here a process holding it as ``skip run`` does) until it ends."""
+    run = tmp_path / "run"
+    run.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        holder.stdout.readline()
+        lines = skip_run_fails(*overrides(task_dir, tmp_path))
+        assert os.listdir(run) == [".skip.lock"]  # the holder's: nothing written
+    finally:
+        holder.communicate(b"\n")
+    assert lines == [  # alone: it said nothing of "training N steps", which comes just before Ray starts
+        f"Error: trainer.default_local_dir: {run} is in use by pid {holder.pid} on {socket.gethostname()} "
+        "(skip run); wait for it to end, or give this run another directory"
+    ]
+
+
+def as_float16(checkpoint, keep_record: bool) -> None:
+    """The policy's shard stored as float16 where float32 was written, its size and hash recorded
+    again; ``keep_record=False``: as a manifest written before records were kept, which has none."""
+    (shard,) = (checkpoint / "actor").glob("*.safetensors")
+    with safe_open(str(shard), "pt") as f:
+        metadata, tensors = f.metadata(), {key: f.get_tensor(key).half() for key in f.keys()}  # noqa: SIM118
+    save_file(tensors, str(shard), metadata=metadata)
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    entry = manifest["files"][f"actor/{shard.name}"]
+    entry.update(entries.seal(shard))
+    if not keep_record:
+        entry.pop("tensors", None)
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_shards_recorded_again_as_float16_are_passed_over_and_kept_aside_never_loaded(ray_session, task_dir, tmp_path):
+    """Step 3's shard holds float16 under a record of float32: the driver refuses it from its header.
+    Step 2's has no record to compare (an older manifest): the policy's rank refuses it before
+    reading a byte, and the run falls back to step 1 as it would past a hash that does not verify.
+    Saving steps 2 and 3 again keeps the damaged ones aside. Named by ``resume_from_path``, step 2
+    stops the run in one line."""
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere" / "global_step_2"
+    steps = ("trainer.save_freq=1", "trainer.test_freq=0", "trainer.max_ckpt_to_keep=3")
+    train(task_dir, tmp_path, "trainer.total_training_steps=3", *steps)
+    as_float16(run / "global_step_3", keep_record=True)
+    as_float16(run / "global_step_2", keep_record=False)
+    shutil.copytree(run / "global_step_2", elsewhere)
+
+    with pytest.warns(CheckpointWarning) as caught:
+        _, output = train(task_dir, tmp_path, "trainer.total_training_steps=4", *steps)
+
+    assert f"resumed at step 1 from {run / 'global_step_1'}" in output
+    three, two, aside_two, aside_three = [str(w.message) for w in caught if w.category is CheckpointWarning]
+    assert three.startswith(f"skip: ignoring checkpoint {run / 'global_step_3'}: actor/shard-00001-model-00001-of-")
+    assert "as float16 [" in three and ", its manifest records float32 [" in three
+    misfit = "the actor's shards do not load: model.model.embed_tokens.weight is stored as float16 ["
+    assert two.startswith(f"skip: ignoring checkpoint {run / 'global_step_2'}: {misfit}"), two
+    assert f"moved it aside to {run / 'global_step_2.corrupt'}," in aside_two
+    assert f"moved it aside to {run / 'global_step_3.corrupt'}," in aside_three
+    assert [row["step"] for row in metrics(run)] == [1, 2, 3, 4]
+
+    *_, line = skip_run_fails(
+        *overrides(task_dir, tmp_path, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={elsewhere}")
+    )
+    assert line.startswith(f"Error: trainer.resume_from_path: cannot resume from {elsewhere}: {misfit}"), line
+    assert line.endswith("; point it at another global_step_<k> directory, or set trainer.resume_mode=auto to "
+                         "resume from the newest checkpoint in trainer.default_local_dir that verifies")  # fmt: skip

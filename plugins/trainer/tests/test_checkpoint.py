@@ -4,14 +4,17 @@ import pickle
 import random
 import re
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from skip_core import encoding, entries, files
+from skip_core import encoding, entries, files, writing
 from skip_core.encoding import EncodingError
 from skip_plugin_trainer.train import shards
 from skip_plugin_trainer.train.checkpoint import (
@@ -404,16 +407,40 @@ def test_checkpoint_without_manifest_is_ignored(tmp_path):
     save_simple(manager, 1)
     shutil.copytree(tmp_path / "global_step_1", tmp_path / "global_step_2")
     (tmp_path / "global_step_2" / "manifest.json").unlink()
-    shutil.copytree(tmp_path / "global_step_1", tmp_path / ".tmp-global_step_3-killed")
-    (tmp_path / ".tmp-not-ours").write_text("another writer's temp file")
 
     assert manager.steps() == [1]
     assert manager.latest().step == 1
     with pytest.raises(CorruptCheckpoint, match=r"manifest\.json is missing"):
         manager.load(2)
+
+
+def owned_by_a_process_that_is_gone(prefix: str) -> str:
+    code = f"from skip_core.files import owned; print(owned({prefix!r}))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_a_save_removes_the_leftovers_of_killed_saves_never_a_live_ones(tmp_path):
+    """Another run saving into the same root right now owns its temp directory: deleting it would
+    cost that run its checkpoint. Only names whose process is gone are leftovers."""
+    manager = CheckpointManager(tmp_path)
+    save_simple(manager, 1)
+    killed = [
+        owned_by_a_process_that_is_gone(".tmp-global_step_3-") + "a1b2",
+        owned_by_a_process_that_is_gone(".trash-global_step_2-") + "c3d4",
+        owned_by_a_process_that_is_gone(f".{LATEST}.") + "e5f6.tmp",
+    ]
+    kept = [
+        files.owned(".tmp-global_step_3-") + "live",  # this process's: a save in progress
+        ".tmp-global_step_3-unmarked",  # whose process no one can ask
+        ".tmp-not-ours",  # another writer's
+    ]
+    for name in killed[:2] + kept[:2]:
+        shutil.copytree(tmp_path / "global_step_1", tmp_path / name)
+    for name in killed[2:] + kept[2:]:
+        (tmp_path / name).write_text("1")
+
     save_simple(manager, 4)
-    assert not (tmp_path / ".tmp-global_step_3-killed").exists()
-    assert (tmp_path / ".tmp-not-ours").exists()
+    assert sorted(os.listdir(tmp_path)) == sorted(["global_step_1", "global_step_4", LATEST, *kept])
 
 
 def test_empty_root_has_no_latest(tmp_path):
@@ -596,9 +623,9 @@ def test_a_manifest_nested_past_any_reader_is_corrupt_and_latest_falls_back(tmp_
     save_simple(manager, 2)
     (tmp_path / "global_step_2" / MANIFEST).write_bytes(b"[" * 100_000 + b"]" * 100_000)
 
-    with pytest.raises(CorruptCheckpoint, match=r"manifest\.json .*nested 100000 levels deep"):
+    with pytest.raises(CorruptCheckpoint, match=r"manifest\.json\b.*nested 100000 levels deep"):
         manager.load(2)
-    with pytest.warns(CheckpointWarning, match=r"global_step_2: manifest\.json .*nested 100000 levels deep"):
+    with pytest.warns(CheckpointWarning, match=r"global_step_2: manifest\.json\b.*nested 100000 levels deep"):
         assert manager.latest().step == 1
 
 
@@ -638,3 +665,179 @@ def test_step_directories_of_too_many_or_foreign_digits_are_not_checkpoints(tmp_
     assert manager.latest().step == 1
     with pytest.raises(ValueError, match="at most 18 digits"):
         manager.path(10**18)
+
+
+# -- what a save replaces or writes below the root ---------------------------------------------
+
+
+def test_a_save_over_a_step_that_does_not_verify_moves_it_aside_never_deletes_it(tmp_path, monkeypatch):
+    """A run that resumed from step 1 past a damaged step 2 saves step 2 again: the damaged one is
+    kept for a look, under a name no step matches, while a good one is replaced."""
+    manager = CheckpointManager(tmp_path)
+    for step in (1, 2):
+        save_simple(manager, step)
+    flip_a_byte(tmp_path / "global_step_2" / SHARD)
+    damaged = (tmp_path / "global_step_2" / SHARD).read_bytes()
+    monkeypatch.setattr("skip_plugin_trainer.train.checkpoint._verdicts", {})  # a new run: nothing verified yet
+
+    with pytest.warns(CheckpointWarning) as caught:
+        save_simple(CheckpointManager(tmp_path), 2)
+        save_simple(CheckpointManager(tmp_path), 1)  # verifies: replaced, nothing to keep
+
+    (warning,) = [str(w.message) for w in caught]
+    aside = tmp_path / "global_step_2.corrupt"
+    assert warning == (
+        f"skip: checkpoint {tmp_path / 'global_step_2'} does not verify ({SHARD} does not match its recorded "
+        f"hash); moved it aside to {aside}, where nothing loads it"
+    )
+    assert (aside / SHARD).read_bytes() == damaged
+    assert sorted(os.listdir(tmp_path)) == ["global_step_1", "global_step_2", "global_step_2.corrupt", LATEST]
+    assert manager.load(2).trainer["global_step"] == 2 and manager.load(1).trainer["global_step"] == 1
+
+
+def test_a_link_planted_at_the_pointer_file_is_refused_never_written_through(tmp_path):
+    """``latest_checkpointed_iteration.txt`` linked to a file of the user's: a save must not
+    overwrite that file, nor replace the link as if it were its own."""
+    theirs = tmp_path / "theirs.txt"
+    theirs.write_text("keep me")
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / LATEST).symlink_to(theirs)
+
+    with pytest.raises(writing.UnsafeDestination, match=f"{re.escape(str(root / LATEST))} is a symbolic link"):
+        save_simple(CheckpointManager(root), 1)
+    assert theirs.read_text() == "keep me" and (root / LATEST).is_symlink()
+
+
+# -- shards recorded again over other contents ----------------------------------------------------
+
+
+def saved_twice(tmp_path) -> Path:
+    """Two checkpoints of a real model's shards; the newest one's path."""
+    model = make_model(0)
+    optimizer = torch.optim.AdamW(model.parameters())
+    manager = CheckpointManager(tmp_path)
+    for step in (1, 2):
+        train_step(model, optimizer, step)
+        manager.save(step, {"global_step": step}, {}, trained_shards(model, optimizer))
+    return tmp_path / "global_step_2"
+
+
+def resign(checkpoint: Path, keep_record: bool = True) -> None:
+    """Record the shard's size and hash again, as a tool rewriting it would (its record of tensors
+    kept, or dropped as a manifest written before records were kept has none)."""
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    entry = manifest["files"][SHARD]
+    entry.update(entries.seal(checkpoint / SHARD))
+    if not keep_record:
+        for name, recorded in manifest["files"].items():
+            recorded.pop("tensors", None) if name.startswith("actor/") else None
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
+
+
+def rewrite_header(file: Path, edit) -> None:
+    """``file`` with its safetensors header passed through ``edit`` (the JSON object, or its bytes)."""
+    data = file.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = edit(json.loads(data[8 : 8 + size]))
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    file.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + size :])
+
+
+def as_float16(file: Path) -> str:
+    """The policy's tensors stored as float16 where float32 was written."""
+    with safe_open(str(file), "pt") as f:
+        metadata, tensors = f.metadata(), {key: f.get_tensor(key).half() for key in f.keys()}  # noqa: SIM118
+    save_file(tensors, str(file), metadata=metadata)
+    return " holds model.0.bias as float16 [8] at [0], its manifest records float32 [8] at [0]"
+
+
+def not_json(file: Path) -> str:
+    rewrite_header(file, lambda header: b"{not json" + b" " * 7)
+    return ": cannot read its safetensors header: Error while deserializing header: invalid JSON"
+
+
+def overlapping_offsets(file: Path) -> str:
+    def edit(header):
+        header["model.0.weight"]["data_offsets"] = header["model.0.bias"]["data_offsets"]
+        return header
+
+    rewrite_header(file, edit)
+    return ": cannot read its safetensors header: Error while deserializing header: invalid "  # shape or offset
+
+
+def sharding_record_without_a_tensor(file: Path) -> str:
+    def edit(header):
+        record = json.loads(header["__metadata__"]["DCP_SHARDING_INFO"])
+        del record["model.0.weight"]
+        header["__metadata__"]["DCP_SHARDING_INFO"] = json.dumps(record)
+        return header
+
+    rewrite_header(file, edit)
+    return (
+        ": cannot read its safetensors header: its sharding record gives model.0.weight no offsets for its shape [8, 4]"
+    )
+
+
+def offsets_elsewhere(file: Path) -> str:
+    def edit(header):
+        record = json.loads(header["__metadata__"]["DCP_SHARDING_INFO"])
+        record["model.0.weight"]["saved_offsets"] = [8, 0]
+        header["__metadata__"]["DCP_SHARDING_INFO"] = json.dumps(record)
+        return header
+
+    rewrite_header(file, edit)
+    return " holds model.0.weight as float32 [8, 4] at [8, 0], its manifest records float32 [8, 4] at [0, 0]"
+
+
+@pytest.mark.parametrize(
+    "damage", [as_float16, not_json, overlapping_offsets, sharding_record_without_a_tensor, offsets_elsewhere]
+)
+def test_a_shard_recorded_again_over_what_its_reader_refuses_or_misreads_is_corrupt(tmp_path, damage):
+    """Its hash verifies: the header, read alone, is held to what the manifest recorded of it, so no
+    rank ever gets to read it (float16 would have been cast into the float32 model without a word)."""
+    checkpoint = saved_twice(tmp_path)
+    reason = damage(checkpoint / SHARD)
+    resign(checkpoint)
+
+    with pytest.raises(CorruptCheckpoint) as caught:
+        CheckpointManager(tmp_path).load(2)
+    assert caught.value.reason.startswith(SHARD + reason)
+    with pytest.warns(CheckpointWarning, match=f"ignoring checkpoint {re.escape(str(checkpoint))}: "):
+        assert CheckpointManager(tmp_path).latest().step == 1
+
+
+@pytest.mark.parametrize("damage", [not_json, overlapping_offsets, sharding_record_without_a_tensor])
+def test_a_checkpoint_written_before_records_still_has_its_headers_checked(tmp_path, damage):
+    checkpoint = saved_twice(tmp_path)
+    resign(checkpoint, keep_record=False)
+    assert CheckpointManager(tmp_path).load(2).step == 2  # no record: still read
+    reason = damage(checkpoint / SHARD)
+    resign(checkpoint, keep_record=False)
+
+    with pytest.raises(CorruptCheckpoint, match=re.escape(SHARD + reason)):
+        CheckpointManager(tmp_path).load(2)
+
+
+@pytest.mark.parametrize(
+    ("damage", "misfit"),
+    [
+        (as_float16, "model.0.weight is stored as float16 [8, 4], this model's is float32 [8, 4]"),
+        (offsets_elsewhere, "model.0.weight is stored as float32 [16, 4], this model's is float32 [8, 4]"),
+    ],
+    ids=["float16", "offsets"],
+)
+def test_a_rank_refuses_shards_that_do_not_fit_its_model_where_no_record_tells(tmp_path, damage, misfit):
+    """Without a record the header alone looks right; the rank holds it to its own tensors before
+    reading a byte of them (dcp would cast float16 silently) and says which, in one line."""
+    checkpoint = saved_twice(tmp_path)
+    damage(checkpoint / SHARD)
+    resign(checkpoint, keep_record=False)
+    loaded = CheckpointManager(tmp_path).load(2)
+
+    fresh = make_model(1)
+    before = [parameter.detach().clone() for parameter in fresh.parameters()]
+    with pytest.raises(shards.UnreadableShards) as caught:
+        shards.load(fresh, torch.optim.AdamW(fresh.parameters()), loaded.path / "actor", loaded.shards["actor"])
+    assert str(caught.value) == misfit
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters(), strict=True))

@@ -10,7 +10,12 @@ everything else to tagged JSON (``skip_core.encoding``).
 A checkpoint directory may come from someone else: every file is read as hostile
 (``skip_core.reading``: regular files only, sizes and JSON nesting bounded), and whatever does
 not verify is a ``CorruptCheckpoint``, never another exception. Pruning counts only checkpoints
-that verify, so a damaged newest one never costs the good one before it.
+that verify, so a damaged newest one never costs the good one before it, and a save over a step
+whose checkpoint does not verify moves that one aside first: damage is kept for a look, never deleted.
+
+Temporary and trash names carry ``<pid>@<host>`` (``files.owned``): a save removes those whose
+process is gone, never one a live process still writes. Files below the root are written through
+``skip_core.writing``, which never follows a link planted at their name.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors import SafetensorError
-from skip_core import files
+from skip_core import files, writing
 
 from skip_plugin_trainer.train.checkpoint_files import MANIFEST, Checkpoint, CorruptCheckpoint, read, verify, write
 
@@ -38,8 +43,9 @@ LATEST = "latest_checkpointed_iteration.txt"  # verl's name, so verl tooling fin
 # At most 18 digits: any step fits an int64, and a name of thousands of digits is no checkpoint.
 STEP_DIR = re.compile(r"global_step_(0|[1-9][0-9]{0,17})")
 MAX_STEP = 10**18 - 1
-# Only this module's own temp and trash names: ``root`` is often a run directory other writers share.
-LEFTOVER_PREFIXES = (".tmp-global_step_", ".trash-global_step_", f".tmp-{LATEST}-")
+# Only this module's own temp and trash names (``writing``'s for the pointer file): ``root`` is
+# often a run directory other writers share.
+LEFTOVER_PREFIXES = (".tmp-global_step_", ".trash-global_step_", f".{LATEST}.")
 
 
 class CheckpointWarning(UserWarning):
@@ -56,8 +62,9 @@ _verdicts: dict[Path, tuple[tuple[int, ...], str | None]] = {}
 class CheckpointManager:
     """The checkpoints under ``root``, one ``global_step_{step}`` directory each.
 
-    Assumes one writer per ``root`` (rank 0): ``save`` deletes the temp and trash leftovers of
-    earlier saves, which another process saving at the same moment would still be using.
+    Assumes one writer per ``root`` (rank 0; ``skip run`` holds its run directory's lock): two
+    saving the same step would replace each other's. ``save`` removes only the leftovers of
+    saves and prunes whose process is gone.
     """
 
     def __init__(self, root: str | os.PathLike, keep: int | None = None) -> None:
@@ -66,6 +73,8 @@ class CheckpointManager:
         self.root = Path(root).expanduser().absolute()
         self.keep = keep
         self._pinned: set[Path] = set()
+        # Each with its identity: a checkpoint published at that path since is another one.
+        self._rejected: set[tuple[Path, tuple[int, ...] | None]] = set()
 
     def pin(self, path: str | os.PathLike) -> None:
         """Never prune ``path``: the checkpoint a run resumed from stays its fallback for the whole run,
@@ -87,10 +96,14 @@ class CheckpointManager:
         step = _check_step(step)
         final = self.path(step)
         self.root.mkdir(parents=True, exist_ok=True)
-        self._remove_leftovers()
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=self.root))
+        files.remove_abandoned(self.root, LEFTOVER_PREFIXES)
+        tmp = Path(tempfile.mkdtemp(prefix=files.owned(f".tmp-{final.name}-"), dir=self.root))
         try:
             write(tmp, step, trainer, rng, shards)
+            # publish deletes what it replaces: damage goes aside instead (a rename that fails here
+            # fails publish's own rename too, so nothing is deleted then either).
+            if os.path.lexists(final) and (reason := self._verdict(step)) is not None:
+                self._set_aside(final, reason)
             files.publish(tmp, final)
             files.fsync_dir(self.root)
         except BaseException:
@@ -111,12 +124,16 @@ class CheckpointManager:
         return sorted(int(m[1]) for m in matches if m and (self.root / m[0] / MANIFEST).is_file())
 
     def latest(self) -> Checkpoint | None:
-        """The newest checkpoint that verifies; broken ones are skipped with a warning."""
+        """The newest checkpoint that verifies; broken ones are skipped with a warning (once: those
+        rejected before are passed over in silence)."""
         for step in reversed(self.steps()):
+            path = self.path(step)
+            if (path, _identity(path)) in self._rejected:
+                continue
             try:
                 return self.load(step)
             except CorruptCheckpoint as exc:
-                warnings.warn(f"skip: ignoring checkpoint {exc.path}: {exc.reason}", CheckpointWarning, stacklevel=2)
+                self.reject(exc)
         return None
 
     def newest_intact(self) -> Path | None:
@@ -145,16 +162,19 @@ class CheckpointManager:
         _remember(path, None, identity)
         return checkpoint
 
+    def reject(self, corrupt: CorruptCheckpoint) -> None:
+        """Pass over the checkpoint ``corrupt`` names, with a warning: from now on it is one that does
+        not verify (``latest`` skips it, a save or a prune moves it aside), also where a rank, not
+        its hashes, found it out."""
+        identity = _identity(corrupt.path)
+        self._rejected.add((corrupt.path, identity))
+        _remember(corrupt.path, corrupt.reason, identity)
+        warnings.warn(f"skip: ignoring checkpoint {corrupt.path}: {corrupt.reason}", CheckpointWarning, stacklevel=3)
+
     def _write_latest(self, step: int) -> None:
-        """verl's pointer file, replaced atomically so a reader never sees it empty."""
-        tmp = self.root / f".tmp-{LATEST}-{uuid.uuid4().hex[:12]}"
-        try:
-            files.write_synced(tmp, str(step).encode())
-            os.replace(tmp, self.root / LATEST)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        files.fsync_dir(self.root)
+        """verl's pointer file, replaced atomically so a reader never sees it empty; a link planted
+        at its name is refused (``writing.UnsafeDestination``), never written through."""
+        writing.write_bytes(self.root, LATEST, str(step).encode())
 
     def _prune(self, keep_step: int) -> None:
         """Keep the ``keep`` newest checkpoints that verify, the one just written and the pinned ones;
@@ -219,18 +239,12 @@ class CheckpointManager:
 
     def _remove(self, path: Path) -> None:
         """Rename first, so a kill mid-delete leaves a leftover, not a half-deleted checkpoint."""
-        trash = self.root / f".trash-{path.name}-{uuid.uuid4().hex[:12]}"
+        trash = self.root / f"{files.owned(f'.trash-{path.name}-')}{uuid.uuid4().hex[:12]}"
         try:
             os.rename(path, trash)
         except FileNotFoundError:
             return
         _delete(trash)
-
-    def _remove_leftovers(self) -> None:
-        """Temp and trash entries of saves or prunes that were killed."""
-        for name in os.listdir(self.root):
-            if name.startswith(LEFTOVER_PREFIXES):
-                _delete(self.root / name)
 
 
 def _check_step(step: int) -> int:

@@ -4,12 +4,22 @@ Format 2: ``actor/`` and ``critic/`` hold each trained model's weights and optim
 its ranks wrote them (``shards.py``: safetensors, one file per rank); ``state.json`` (tagged
 JSON: the trainer's state, the RNG states, each model's optimizer hyper-parameters) and
 ``state.safetensors`` (the tensors among them), all fsynced, then ``manifest.json`` (every
-file's size and xxh3-128 hash) last. A directory holding a file the manifest does not list does
-not verify: the shards' reader would read it. Format 1 (one process's ``model.safetensors`` and
-``optimizer.safetensors``) is still read. A checkpoint directory may come from someone else: every file
-is read as hostile (``skip_core.reading``: regular files only, inside the checkpoint, sizes and
-JSON nesting bounded, hashed through the descriptor that was checked), and whatever does not
-verify is a ``CorruptCheckpoint``, never another exception. Nothing is unpickled.
+file's size and xxh3-128 hash, and each shard file's tensors: ``tensors``) last. A directory
+holding a file the manifest does not list does not verify: the shards' reader would read it.
+
+A shard whose hash was recorded again over other contents must not reach a rank: its header is
+read on every verify (``shards.describe``: the header alone, no tensor data), and one that does
+not parse, whose data offsets or sharding record the reader could not use, or that holds other
+tensors, dtypes, shapes or offsets than its manifest records is a ``CorruptCheckpoint``. The
+record is an optional key of format 2's manifest entries, not a format 3: a format 2 checkpoint
+written before it is still read (its headers are still checked, and a rank checks each tensor
+against its model), and an older skip still reads the checkpoints written now.
+
+Format 1 (one process's ``model.safetensors`` and ``optimizer.safetensors``) is still read. A
+checkpoint directory may come from someone else: every file is read as hostile
+(``skip_core.reading``: regular files only, inside the checkpoint, sizes and JSON nesting
+bounded, hashed through the descriptor that was checked), and whatever does not verify is a
+``CorruptCheckpoint``, never another exception. Nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -25,8 +35,10 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
-from skip_core import encoding, entries, files, reading
+from safetensors.torch import load_file, save
+from skip_core import encoding, entries, files, reading, writing
+
+from skip_plugin_trainer.train.shards import describe
 
 FORMAT = "skip-checkpoint"
 VERSION = 2
@@ -38,9 +50,10 @@ MANIFEST = "manifest.json"
 DATA_FILES = {1: {MODEL, OPTIMIZER, STATE}, 2: {STATE, TENSORS}}
 GROUPS = ("actor", "critic")  # the trained models, each a directory of its ranks' files
 _SHARD_FILE = re.compile(r"(actor|critic)/[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.safetensors")
-MAX_MANIFEST_BYTES = 1 << 20
+# The shards' records make it grow with tensors x ranks: about 90 bytes a tensor, a 70B model's
+# ~2,900 tensors (weights and AdamW's state) in each of 64 ranks' files is ~17 MB.
+MAX_MANIFEST_BYTES = 64 << 20
 _TENSOR = "__skip_tensor__"  # JSON stand-in for a tensor stored in optimizer.safetensors
-_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors (Rust) reports an I/O error's errno
 
 
 class CorruptCheckpoint(RuntimeError):
@@ -86,30 +99,26 @@ def write(
     for name in saved:
         files.fsync_dir(directory / name)
     state["shards"] = encoding.encode(dict(saved), "shards")
-    files.write_synced(directory / STATE, json.dumps(state).encode())
-    _save_tensors(encoding.storable(tensors), directory / TENSORS)
+    writing.write_bytes(directory, STATE, json.dumps(state).encode())
+    # Serialized here and written by Python: a full disk reads as the OSError it is, not as safetensors' text.
+    writing.write_bytes(directory, TENSORS, save(encoding.storable(tensors), metadata={"format": "pt"}))
     listed = sorted(path.relative_to(directory).as_posix() for path in directory.rglob("*") if path.is_file())
     manifest = {
         "format": FORMAT,
         "version": VERSION,
         "step": step,
-        "files": {name: entries.seal(directory / name) for name in listed},
+        "files": {name: _sealed(directory, name) for name in listed},
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    files.write_synced(directory / MANIFEST, json.dumps(manifest, indent=1).encode())
-    files.fsync_dir(directory)
+    writing.write_bytes(directory, MANIFEST, json.dumps(manifest, indent=1).encode())
 
 
-def _save_tensors(tensors: dict[str, torch.Tensor], file: Path) -> None:
-    """``save_file``, whose I/O failures come back as the ``OSError`` they are: safetensors reports
-    them as text, and a full disk must read as a full disk, naming the file."""
-    try:
-        save_file(tensors, str(file), metadata={"format": "pt"})
-    except SafetensorError as exc:
-        code = _OS_ERROR.search(str(exc))
-        if code is None:
-            raise
-        raise OSError(int(code[1]), os.strerror(int(code[1])), str(file)) from exc
+def _sealed(directory: Path, name: str) -> dict[str, Any]:
+    """The manifest's entry of a written file: size and hash, and a shard's tensors."""
+    entry = entries.seal(directory / name)
+    if _SHARD_FILE.fullmatch(name):
+        entry["tensors"] = describe(directory / name)
+    return entry
 
 
 def _shards(value: Any) -> dict[str, dict[str, Any]]:
@@ -169,7 +178,11 @@ def verify(path: Path, step: int) -> dict[str, int]:
         unlisted = _unlisted(path, set(files))
         if unlisted:
             raise CorruptCheckpoint(path, f"holds {unlisted}, which its manifest does not list")
-    return {name: _check_file(path, name, expected) for name, expected in files.items()}
+    sizes = {name: _check_file(path, name, expected) for name, expected in files.items()}
+    for name, expected in files.items():
+        if version > 1 and _SHARD_FILE.fullmatch(name):
+            _check_shard(path, name, expected)
+    return sizes
 
 
 def _listable(files: dict, required: set[str], version: int) -> bool:
@@ -220,6 +233,38 @@ def _check_file(path: Path, name: str, expected: Any) -> int:
     except OSError as exc:
         raise CorruptCheckpoint(path, f"cannot read {name}: {exc}") from None
     return size
+
+
+def _check_shard(path: Path, name: str, expected: dict) -> None:
+    """A shard's header parses, as the ranks' reader will parse it, and holds what the manifest
+    records (a manifest written before records were kept records nothing to compare)."""
+    recorded = expected.get("tensors")
+    if recorded is not None and not isinstance(recorded, dict):
+        raise CorruptCheckpoint(path, f"manifest entry for {name} is malformed")
+    try:
+        found = describe(path / name)
+    except (SafetensorError, ValueError, OSError) as exc:
+        raise CorruptCheckpoint(path, f"{name}: cannot read its safetensors header: {exc}") from None
+    if recorded is None or found == recorded:
+        return
+    for tensor in sorted(found.keys() | recorded.keys()):
+        if tensor not in recorded:
+            reason = f"holds {tensor}, which its manifest does not record"
+        elif tensor not in found:
+            reason = f"lacks {tensor}, which its manifest records"
+        elif found[tensor] != recorded[tensor]:
+            reason = f"holds {tensor} as {_shown(found[tensor])}, its manifest records {_shown(recorded[tensor])}"
+        else:
+            continue
+        raise CorruptCheckpoint(path, f"{name} {reason}")
+
+
+def _shown(described: Any) -> str:
+    """A tensor's record in words, ``float32 [8, 4] at [0, 0]``; a hand-written one cut short."""
+    if isinstance(described, list) and len(described) == 3:
+        dtype, shape, offsets = described
+        return f"{dtype} {shape} at {offsets}"[:200]
+    return repr(described)[:200]
 
 
 def read(path: Path, step: int, sizes: Mapping[str, int]) -> Checkpoint:

@@ -7,17 +7,21 @@ another run's weights and optimizer under other rules would train neither. A che
 past the run's last step leaves nothing to train. Both are decided before Ray starts, as is a
 ``trainer.resume_from_path`` that does not verify. The checkpoint a run resumes from is never
 pruned while it runs. The trained models' ranks write and read their own shards of it
-(``shard_writer``, ``load_models``), with any number of ranks.
+(``shard_writer``, ``restore``), with any number of ranks; shards the ranks cannot read make it
+corrupt, as a hash that does not verify does.
+
+A run holds its directory for its whole life (``claimed``), so that two runs never write one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ray.exceptions import RayTaskError
+from skip_core import files
 from skip_core.config import ConfigError
 from skip_core.errors import SkipError
 
@@ -27,8 +31,36 @@ from skip_plugin_trainer.train.checkpoint import STEP_DIR, CheckpointManager
 from skip_plugin_trainer.train.checkpoint_files import GROUPS, Checkpoint, CorruptCheckpoint
 from skip_plugin_trainer.train.model_group import ModelGroup
 from skip_plugin_trainer.train.phases import actor_updates
+from skip_plugin_trainer.train.preflight import check_writable
+from skip_plugin_trainer.train.shards import UnreadableShards
 
 WAYS_OUT = "use a new run directory (trainer.default_local_dir=...) or start over here (trainer.resume_mode=disable)"
+
+
+@contextlib.contextmanager
+def claimed(settings: RunSettings, checkpoints: CheckpointManager) -> Iterator[Checkpoint | None]:
+    """The run directory (``checkpoints.root``) held by this run for the block (``files.exclusive``:
+    a second run on it stops in one line naming this one, before Ray starts; the kernel lets go of a
+    killed run's hold), and the checkpoint the run resumes from (``find_checkpoint``). A directory
+    that exists is held before its checkpoints are read, since another run may be writing them; a
+    new one once it is created, after every check: a run that fails one writes nothing."""
+    run_dir = checkpoints.root
+    with contextlib.ExitStack() as held:
+        existed = run_dir.is_dir()
+        if existed:
+            _hold(run_dir, held)
+        checkpoint = find_checkpoint(settings, checkpoints)
+        if not existed:
+            _hold(run_dir, held)
+        yield checkpoint
+
+
+def _hold(run_dir: Path, held: contextlib.ExitStack) -> None:
+    check_writable(run_dir)  # a directory that cannot be written is named so, not as a lock that failed
+    try:
+        held.enter_context(files.exclusive(run_dir, "skip run"))
+    except files.DirectoryInUse as exc:
+        raise files.DirectoryInUse(f"trainer.default_local_dir: {exc}") from None
 
 
 def find_checkpoint(settings: RunSettings, checkpoints: CheckpointManager) -> Checkpoint | None:
@@ -72,7 +104,36 @@ def shard_writer(actor: ModelGroup, critic: ModelGroup | None) -> Callable[[Path
     return write
 
 
-def load_models(checkpoint: Checkpoint, actor: ModelGroup, critic: ModelGroup | None, critic_warmup: int) -> None:
+def restore(
+    checkpoint: Checkpoint,
+    settings: RunSettings,
+    checkpoints: CheckpointManager,
+    actor: ModelGroup,
+    critic: ModelGroup | None,
+) -> Checkpoint:
+    """Load ``checkpoint`` into the trained models and return the one they hold. Shards whose
+    hashes and headers verify may still not load (another dtype, recorded again by hand): with
+    ``trainer.resume_mode=auto`` the checkpoint is skipped with the warning a hash that does not
+    verify gets, for the newest one that does (which then loads over whatever the ranks read);
+    a ``trainer.resume_from_path`` stops the run in one line."""
+    while True:
+        try:
+            _load_models(checkpoint, actor, critic, settings.trainer.critic_warmup)
+            return checkpoint
+        except CorruptCheckpoint as exc:
+            if settings.trainer.resume_mode != "auto":
+                raise _cannot_resume(exc.path, exc.reason) from None
+            checkpoints.reject(exc)
+            earlier = find_checkpoint(settings, checkpoints)
+            if earlier is None:  # the ranks may hold part of it: they cannot start from scratch
+                raise ConfigError(
+                    f"trainer.resume_mode: {exc.path} does not load ({exc.reason}) and no earlier checkpoint "
+                    f"verifies; {WAYS_OUT}"
+                ) from None
+            checkpoint = earlier
+
+
+def _load_models(checkpoint: Checkpoint, actor: ModelGroup, critic: ModelGroup | None, critic_warmup: int) -> None:
     """The trained models' state from ``checkpoint``; their lr schedules continue at the updates
     its steps made (derived, not saved: checkpoints written before skip had schedules resume the
     same way). A checkpoint of format 1 holds the whole state, in the driver."""
@@ -81,14 +142,11 @@ def load_models(checkpoint: Checkpoint, actor: ModelGroup, critic: ModelGroup | 
         if model is None:
             continue
         if checkpoint.shards is not None:
-            directory = checkpoint.path / name
             try:
-                model.call("load_shards", str(directory), checkpoint.shards[name], updates=updates[name])
-            except RayTaskError as exc:  # shards that verify but do not fit this model (written by hand)
-                cause = str(getattr(exc, "cause", exc)).strip().splitlines()[-1]
-                raise ConfigError(
-                    f"trainer.resume_mode: {directory} does not load into this run's {name}: {cause}"
-                ) from None
+                model.call("load_shards", str(checkpoint.path / name), checkpoint.shards[name], updates=updates[name])
+            except UnreadableShards as exc:  # a rank's, through Ray: its cause is the rank's own message
+                cause = str(getattr(exc, "cause", exc))
+                raise CorruptCheckpoint(checkpoint.path, f"the {name}'s shards do not load: {cause}") from None
         else:  # the critic's state sits in the trainer's (a checkpoint's algorithm.* match the run's)
             whole = checkpoint.trainer["critic"] if name == "critic" else vars(checkpoint)
             model.call("load_full_state", whole["model"], whole["optimizer"], updates=updates[name])
@@ -135,7 +193,11 @@ def _given(path: Path) -> Checkpoint:
             return CheckpointManager(path.parent).load(int(match[1]))
         except CorruptCheckpoint as exc:
             reason = exc.reason
-    raise ConfigError(
+    raise _cannot_resume(path, reason)
+
+
+def _cannot_resume(path: Path, reason: str) -> ConfigError:
+    return ConfigError(
         f"trainer.resume_from_path: cannot resume from {path}: {reason}; point it at another global_step_<k> "
         "directory, or set trainer.resume_mode=auto to resume from the newest checkpoint in "
         "trainer.default_local_dir that verifies"

@@ -51,15 +51,8 @@ from skip_plugin_trainer.train.checkpoint_files import Checkpoint
 from skip_plugin_trainer.train.dynamic_sampling import fill
 from skip_plugin_trainer.train.metrics import data_metrics, engine_metrics, throughput_metrics, timing_metrics
 from skip_plugin_trainer.train.phases import Phases
-from skip_plugin_trainer.train.preflight import check_writable, load_data, schedule, warn_unreachable
-from skip_plugin_trainer.train.resume import (
-    find_checkpoint,
-    load_models,
-    nothing_left,
-    shard_writer,
-    stopped,
-    trainer_state,
-)
+from skip_plugin_trainer.train.preflight import load_data, schedule, warn_unreachable
+from skip_plugin_trainer.train.resume import claimed, nothing_left, restore, shard_writer, stopped, trainer_state
 from skip_plugin_trainer.train.summary import plot, summary_table
 from skip_plugin_trainer.train.tracking import Tracking, check_loggers
 from skip_plugin_trainer.train.train_data import save_train_data
@@ -101,8 +94,8 @@ class Trainer:
         self.train_batch_size, self.ppo_mini_batch_size = s.data.train_batch_size, s.actor.ppo_mini_batch_size
         self.run_dir = Path(os.path.expanduser(s.trainer.default_local_dir))
         self.checkpoints = CheckpointManager(self.run_dir, keep=s.trainer.max_ckpt_to_keep)
-        self.resume_from: Checkpoint | None = find_checkpoint(s, self.checkpoints)
-        check_writable(self.run_dir)  # the last check: a run that fails one writes nothing
+        self._claim = contextlib.ExitStack()  # the run directory's lock, until close(), however the run ends
+        self.resume_from: Checkpoint | None = self._claim.enter_context(claimed(s, self.checkpoints))
         self.global_steps = 0
         self.cluster = Cluster()
         self.tracking: Tracking | None = None
@@ -159,14 +152,18 @@ class Trainer:
             self.schedule.fit(self)
 
     def close(self) -> None:
-        """Wait for generations and cache dumps, stop the workers and free the pools; safe after a failed start."""
-        wait(list(self._in_flight))  # a generation still running finishes before its workers go
-        self._generations.stop()
-        SkipManager.flush()
-        if self.tracking is not None:
-            self.tracking.close()
-        self.cluster.close()
-        spans.close()
+        """Wait for generations and cache dumps, stop the workers and free the pools, then let go of
+        the run directory; safe after a failed start."""
+        try:
+            wait(list(self._in_flight))  # a generation still running finishes before its workers go
+            self._generations.stop()
+            SkipManager.flush()
+            if self.tracking is not None:
+                self.tracking.close()
+            self.cluster.close()
+            spans.close()
+        finally:
+            self._claim.close()
 
     # -- what a schedule uses (skip_core.schedule.Run) ------------------------------------
 
@@ -332,8 +329,8 @@ class Trainer:
         return every > 0 and (step % every == 0 or step == self.total_steps)
 
     def _resume(self, checkpoint: Checkpoint) -> None:
+        checkpoint = restore(checkpoint, self.settings, self.checkpoints, self.actor, self.critic)
         self.loader.load_state_dict(checkpoint.trainer["loader"])
-        load_models(checkpoint, self.actor, self.critic, self.settings.trainer.critic_warmup)
         self.global_steps = self._actor_version = checkpoint.step
         self._resumed_schedule_state = checkpoint.trainer.get("schedule")
         self.sync_weights()
