@@ -381,3 +381,56 @@ def test_train_data_round_trips_atomically_and_refuses_what_it_did_not_write(tmp
     assert train_data_steps(tmp_path) == [8, 9, 11]  # names only; step_010 is no name skip writes
     with pytest.raises(TrainDataError, match="not a regular file"):
         read_train_data(tmp_path / "train_data" / "step_11.safetensors")
+
+
+def sparse_train_data(run: Path, rows: int, width: int, keys=("responses", "old_log_probs", "advantages")) -> int:
+    """A run whose step 1 file declares ``rows`` x ``width`` of each key (int64 responses, float32
+    others) in a file that is one hole: kilobytes on disk, and the size it declares. Its bytes."""
+    header, offset = {}, 0
+    for key in keys:
+        dtype, size = ("I64", 8) if key == "responses" else ("F32", 4)
+        header[key] = {"dtype": dtype, "shape": [rows, width], "data_offsets": [offset, offset + rows * width * size]}
+        offset += rows * width * size
+    header["__metadata__"] = {"format": "skip-train-data", "version": "1", "step": "1"}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    (run / "train_data").mkdir(parents=True)
+    with open(run / "train_data" / "step_1.safetensors", "wb") as out:
+        out.write(len(text).to_bytes(8, "little") + text)
+        out.truncate(8 + len(text) + offset)
+    return 8 + len(text) + offset
+
+
+_PEAK = """
+import json, resource, sys
+from skip_plugin_trainer.diff.compare import compare
+peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+before = peak()
+report = compare(sys.argv[1], sys.argv[2])
+print(json.dumps({"agree": report.agree, "grown": peak() - before}))
+"""
+
+
+def test_comparing_a_step_costs_about_its_bytes_not_many_times_them(tmp_path):
+    """No mask: every token is compared, as float64, with its differences; chunk by chunk."""
+    size = sum(sparse_train_data(tmp_path / side, 1600, 8192) for side in "ab")
+    code = [sys.executable, "-c", _PEAK, str(tmp_path / "a"), str(tmp_path / "b")]
+    result = json.loads(subprocess.run(code, capture_output=True, text=True, check=True).stdout)
+    assert result["agree"]
+    assert result["grown"] < 1.5 * size  # the tensors once, and chunks; was 4.6 times them (1.85 GB for 0.4 GB)
+
+
+def test_a_step_larger_than_half_the_available_memory_is_refused_before_it_is_read(tmp_path):
+    from skip_plugin_trainer.diff.sources import memory_budget
+
+    budget = memory_budget()
+    rows = budget // (2 * 8192 * 8) + 1  # responses alone, on each side: together past the budget
+    for side in "ab":
+        sparse_train_data(tmp_path / side, rows, 8192, keys=("responses",))
+    result = CliRunner().invoke(cli, ["diff", str(tmp_path / "a"), str(tmp_path / "b")])
+    assert result.exit_code == 2
+    (line,) = result.output.splitlines()
+    assert line.startswith("Error: step 1: A's and B's tensors take ")
+    assert line.endswith(
+        f"more than half the memory available ({budget / 2**30:.1f} GiB); compare on a machine with more memory"
+    )

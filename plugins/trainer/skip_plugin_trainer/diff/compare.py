@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from skip_core.config import StepSet
 
-from skip_plugin_trainer.diff.sources import DiffError, open_source
+from skip_plugin_trainer.diff.sources import DiffError, memory_budget, open_source
 from skip_plugin_trainer.train.train_data import KEYS
 
 TOKENS = "rollout tokens"
@@ -32,6 +32,9 @@ PHASES = (TOKENS, *PER_TOKEN, "losses", "grad norms", "metrics")
 #: Metrics of time and speed (any key with ``time`` in it, too), and the engines' batching counters
 #: (how requests met in the engine depends on when each arrived): they differ from run to run by nature.
 TIMING = ("timing_s/", "timing_per_token_ms/", "perf/", "rollout/engine/")
+#: Tokens compared at once: the float64 copies, masks and differences of a chunk stay near 50 MB,
+#: whatever the size of a step's tensors.
+CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -94,9 +97,10 @@ class PhaseResult:
         place: Callable[[int], dict],
         top: int,
     ) -> None:
-        """One step's compared values: A's ``x``, B's ``y``, their ``diff`` and where it is
-        ``beyond`` tolerance; ``place(i)`` says where the ``i``-th value is."""
-        self.steps.append(step)
+        """A step's compared values (all of them, or one chunk of its rows): A's ``x``, B's ``y``,
+        their ``diff`` and where it is ``beyond`` tolerance; ``place(i)`` says where the ``i``-th value is."""
+        if not self.steps or self.steps[-1] != step:
+            self.steps.append(step)
         self.compared += len(x)
         self.total += float(diff.sum())
         hits = np.flatnonzero(beyond)
@@ -173,7 +177,9 @@ def compare(
     report = Report(first.path, second.path, atol, rtol, sorted(in_a & in_b), sorted(in_a - in_b), sorted(in_b - in_a))
     report.notes = {note: [] for note in first.notes + second.notes}
     comparison = _Comparison(report, top, ignore)
+    budget = memory_budget()
     for step in report.steps:
+        _check_budget(step, {**first.sizes(step), **second.sizes(step)}, budget)
         comparison.tensors(step, first.tensors(step), second.tensors(step))
         comparison.metrics(step, first.metrics.get(step, {}), second.metrics.get(step, {}))
     report.phases = [p for p in comparison.phases.values() if p.steps or p.shapes]
@@ -183,6 +189,18 @@ def compare(
             f"{second.path} has {step_ranges(in_b)}"
         )
     return report
+
+
+def _check_budget(step: int, sizes: Mapping[Path, int], budget: int | None) -> None:
+    """Refuse a step whose files (both sides' are loaded together) exceed ``budget`` bytes, before
+    any is read: a file of kilobytes on disk may declare gigabytes (a sparse file reads as zeros)."""
+    if budget is not None and sum(sizes.values()) > budget:
+        biggest = max(sizes, key=sizes.__getitem__)
+        raise DiffError(
+            f"step {step}: A's and B's tensors take {sum(sizes.values()) / 2**30:.1f} GiB "
+            f"({biggest}: {sizes[biggest] / 2**30:.1f} GiB), more than half the memory available "
+            f"({budget / 2**30:.1f} GiB); compare on a machine with more memory"
+        )
 
 
 class _Comparison:
@@ -196,51 +214,64 @@ class _Comparison:
         self.report.notes.setdefault(text, []).append(step)
 
     def tensors(self, step: int, ta: Mapping[str, Any], tb: Mapping[str, Any]) -> None:
+        """Compare a step's per-token phases, ``CHUNK`` tokens of rows at a time: a copy of a
+        whole tensor as float64 (and its masks and differences) would cost many times its bytes."""
         for key, name in [("responses", TOKENS), *zip(PER_TOKEN, PER_TOKEN, strict=True)]:
             if (key in ta) != (key in tb):
                 self.note(f"{name}: only in {'A' if key in ta else 'B'}", step)
-        ma, mb = (_array(t["response_mask"]) != 0 if "response_mask" in t else None for t in (ta, tb))
+        ma, mb = ((_padded(t["response_mask"]) != 0).numpy() if "response_mask" in t else None for t in (ta, tb))
         if ma is None and mb is None and ta.keys() & tb.keys() & {"responses", *PER_TOKEN}:
             self.note("no response_mask on either side: every token compared", step)
         ma, mb = (mb if ma is None else ma), (ma if mb is None else mb)  # one side's mask serves both
-        keep = None
-        if "responses" in ta and "responses" in tb:
-            keep = self.rollout(step, _array(ta["responses"]), _array(tb["responses"]), ma, mb)
-        for key in PER_TOKEN:
+        compared = {}
+        for key in ("responses", *PER_TOKEN):
             if key in ta and key in tb:
-                self.values(step, key, _array(ta[key]), _array(tb[key]), ma, mb, keep)
+                problem = _misfit(_padded(ta[key]), _padded(tb[key]), ma, mb)
+                if problem:
+                    self.phases[TOKENS if key == "responses" else key].shapes.append((step, problem))
+                else:
+                    compared[key] = (_padded(ta[key]), _padded(tb[key]))
+        if not compared:
+            return
+        rows, width = len(ma if ma is not None else next(iter(compared.values()))[0]), _width(compared)
+        left_out = 0
+        for start in range(0, rows, max(1, CHUNK // max(width, 1))):
+            at = slice(start, start + max(1, CHUNK // max(width, 1)))
+            va, vb = (_mask(m, at, width, compared) for m in (ma, mb))
+            keep = None
+            if "responses" in compared:
+                a, b = compared["responses"]
+                keep = self.rollout(step, _array(a[at])[:, :width], _array(b[at])[:, :width], va, vb, start)
+                left_out += int((~keep).sum())
+            for key in PER_TOKEN:
+                if key in compared:
+                    a, b = compared[key]
+                    self.values(step, key, _array(a[at])[:, :width], _array(b[at])[:, :width], va, vb, keep, start)
+        for key in PER_TOKEN:
+            if key in compared and "responses" in compared:
+                self.phases[key].left_out += left_out
 
-    def rollout(self, step: int, a: np.ndarray, b: np.ndarray, ma: Any, mb: Any) -> np.ndarray | None:
-        """Compare the tokens either mask marks; the samples whose tokens all agree, to keep for later phases."""
-        phase = self.phases[TOKENS]
-        aligned = _aligned(a, b, ma, mb)
-        if isinstance(aligned, str):
-            phase.shapes.append((step, aligned))
-            return None
-        a, b, va, vb = aligned
+    def rollout(self, step: int, a: np.ndarray, b: np.ndarray, va: Any, vb: Any, start: int) -> np.ndarray:
+        """Compare the tokens either mask marks in rows ``start``...; the samples whose tokens all
+        agree, to keep for later phases."""
         marked = va | vb
         rows, cols = np.nonzero(marked)
         x, y = a[marked], b[marked]
         beyond = (va[marked] != vb[marked]) | (x != y)
-        phase.add(step, x, y, beyond.astype(np.float64), beyond, _token(rows, cols), self.top)
+        self.phases[TOKENS].add(step, x, y, beyond.astype(np.float64), beyond, _token(rows + start, cols), self.top)
         keep = np.ones(len(a), dtype=bool)
         keep[rows[beyond]] = False
         return keep
 
-    def values(self, step: int, key: str, a: np.ndarray, b: np.ndarray, ma: Any, mb: Any, keep: Any) -> None:
-        phase = self.phases[key]
-        aligned = _aligned(a, b, ma, mb)
-        if isinstance(aligned, str):
-            phase.shapes.append((step, aligned))
-            return
-        a, b, va, vb = aligned
+    def values(
+        self, step: int, key: str, a: np.ndarray, b: np.ndarray, va: Any, vb: Any, keep: Any, start: int
+    ) -> None:
         both = va & vb
         if keep is not None:
             both &= keep[:, None]
-            phase.left_out += int((~keep).sum())
         rows, cols = np.nonzero(both)
         x, y = a[both], b[both]
-        phase.add(step, x, y, *self.close(x, y), _token(rows, cols), self.top)
+        self.phases[key].add(step, x, y, *self.close(x, y), _token(rows + start, cols), self.top)
 
     def metrics(self, step: int, ma: Mapping[str, float], mb: Mapping[str, float]) -> None:
         keys = {key for key in ma.keys() | mb.keys() if not key.startswith(TIMING) and "time" not in key}
@@ -264,25 +295,40 @@ class _Comparison:
         return np.where(np.isnan(diff), np.where(close, 0.0, np.inf), diff), ~close
 
 
+def _padded(tensor: Any) -> Any:
+    """A jagged tensor (one row per sample) padded with zeros, which no mask marks; others as they are."""
+    return tensor.to_padded_tensor(0) if tensor.is_nested else tensor
+
+
 def _array(tensor: Any) -> np.ndarray:
-    """A tensor as numpy: floats (bf16 too, which numpy lacks) as float64, so every dtype compares alike;
-    a jagged one (one row per sample) padded with zeros, which no mask marks."""
-    if tensor.is_nested:
-        tensor = tensor.to_padded_tensor(0)
+    """A tensor as numpy: floats (bf16 too, which numpy lacks) as float64, so every dtype compares alike."""
     return tensor.double().numpy() if tensor.is_floating_point() else tensor.numpy()
 
 
-def _aligned(a: np.ndarray, b: np.ndarray, ma: Any, mb: Any) -> tuple[np.ndarray, ...] | str:
-    """``a``, ``b`` and the masks cut to the common response width, where no mask marks a token
-    beyond it; else the shapes, to say they differ."""
-    va = np.ones(a.shape, dtype=bool) if ma is None else ma
-    vb = np.ones(b.shape, dtype=bool) if mb is None else mb
-    fits = a.ndim == b.ndim == 2 and len(a) == len(b) and (va.shape, vb.shape) == (a.shape, b.shape)
-    width = min(a.shape[-1], b.shape[-1]) if fits else 0
-    if not fits or va[:, width:].any() or vb[:, width:].any():
-        masks = "" if (va.shape, vb.shape) == (a.shape, b.shape) else f"; masks A {list(va.shape)}, B {list(vb.shape)}"
-        return f"A {list(a.shape)}, B {list(b.shape)}{masks}"
-    return a[:, :width], b[:, :width], va[:, :width], vb[:, :width]
+def _misfit(a: Any, b: Any, ma: Any, mb: Any) -> str | None:
+    """Why ``a`` and ``b`` (and the masks) cannot be compared token by token, from their shapes
+    and from a mask marking a token past the common width; ``None`` when they can."""
+    sa, sb = tuple(a.shape), tuple(b.shape)
+    fa, fb = sa if ma is None else ma.shape, sb if mb is None else mb.shape
+    fits = len(sa) == len(sb) == 2 and sa[0] == sb[0] and (fa, fb) == (sa, sb)
+    width = min(sa[-1], sb[-1]) if fits else 0
+    if fits and not any(m is not None and m[:, width:].any() for m in (ma, mb)):
+        return None
+    masks = "" if (fa, fb) == (sa, sb) else f"; masks A {list(fa)}, B {list(fb)}"
+    return f"A {list(sa)}, B {list(sb)}{masks}"
+
+
+def _width(compared: Mapping[str, tuple[Any, Any]]) -> int:
+    """The response width every compared tensor has on both sides (masks mark nothing past it)."""
+    return min(min(a.shape[-1], b.shape[-1]) for a, b in compared.values())
+
+
+def _mask(mask: np.ndarray | None, at: slice, width: int, compared: Mapping[str, tuple[Any, Any]]) -> np.ndarray:
+    """The rows ``at`` of a side's mask, cut to ``width``; every token, without one."""
+    if mask is not None:
+        return mask[at, :width]
+    rows = len(next(iter(compared.values()))[0][at])
+    return np.ones((rows, width), dtype=bool)
 
 
 def _token(rows: np.ndarray, cols: np.ndarray) -> Callable[[int], dict]:

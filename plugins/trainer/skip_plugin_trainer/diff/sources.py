@@ -15,6 +15,7 @@ from typing import Any
 from safetensors import SafetensorError
 from skip_core import reading
 from skip_core.config import Namespace
+from skip_core.encoding import TENSORS
 from skip_core.entries import GENERATION, STEP_NAME, CorruptEntry, scan, verify
 from skip_core.errors import SkipError
 from skip_core.store import CacheStore, Entry
@@ -43,11 +44,18 @@ class Run:
         return self._tensor_steps | set(self.metrics)
 
     def tensors(self, step: int) -> dict[str, Any]:
-        from skip_plugin_trainer.train.train_data import DIRECTORY, read_train_data
+        from skip_plugin_trainer.train.train_data import read_train_data
 
-        if step not in self._tensor_steps:
-            return {}
-        return read_train_data(self.path / DIRECTORY / f"step_{step}.safetensors", root=self.path)
+        return read_train_data(self._file(step), root=self.path) if step in self._tensor_steps else {}
+
+    def sizes(self, step: int) -> dict[Path, int]:
+        """The bytes of the file ``tensors(step)`` loads (a sparse file's too: it loads as zeros)."""
+        return _sizes([self._file(step)] if step in self._tensor_steps else [])
+
+    def _file(self, step: int) -> Path:
+        from skip_plugin_trainer.train.train_data import DIRECTORY
+
+        return self.path / DIRECTORY / f"step_{step}.safetensors"
 
 
 class Cache:
@@ -86,6 +94,10 @@ class Cache:
                     out.setdefault(key, tensor)
         return out
 
+    def sizes(self, step: int) -> dict[Path, int]:
+        """The bytes of the tensor files ``tensors(step)`` loads."""
+        return _sizes([d / str(step) / TENSORS for d, steps in self.roles.values() if step in steps])
+
     def _role(self, directory: Path, steps: list[int]) -> str:
         """The role its entries record, from the first whose sizes check out (hashes are checked on load)."""
         problem = None
@@ -112,6 +124,28 @@ class Cache:
         names = ", ".join(str(d.relative_to(self.path)) for d in directories[:3])
         names += f" and {len(directories) - 3} more" if len(directories) > 3 else ""
         raise DiffError(f"{self.path}: holds the caches of several runs ({names}); give the directory of one")
+
+
+def _sizes(paths: list[Path]) -> dict[Path, int]:
+    """Each file's size, as ``lstat`` says (a link's own: it is refused when read)."""
+    sizes = {}
+    for path in paths:
+        with contextlib.suppress(OSError):  # what cannot be read is named when it is
+            sizes[path] = os.lstat(path).st_size
+    return sizes
+
+
+def memory_budget() -> int | None:
+    """The bytes a comparison may load at once: half the memory Linux says is available, or
+    ``None`` where it cannot say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // 2
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def open_source(path: Path) -> Run | Cache:
