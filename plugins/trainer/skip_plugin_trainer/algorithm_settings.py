@@ -69,7 +69,7 @@ class Optim(_Section):
     ``num_cycles``: cosine waves over the decay; 0.5 is one half-wave from ``lr`` down to the floor.
     """
 
-    lr: PositiveFloat = 1e-5
+    lr: float = Field(1e-5, gt=0, le=1)  # an AdamW step past 1 is a typo (verl's: 1e-6 to 1e-5)
     weight_decay: NonNegativeFloat = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: PositiveFloat = 1e-8

@@ -10,10 +10,12 @@ from typing import Any
 
 import click
 from rich.console import Console
-from skip_core.console import console
+from skip_core.console import console, printable
 
 #: The package holding the shipped configs, for Hydra (``pkg://``).
 CONFIGS_PACKAGE = "skip_plugin_trainer.configs"
+#: Longer than any key of any section (``actor_rollout_ref.rollout.multi_turn.tool_config_path``: 53).
+MAX_KEY = 200
 
 
 def register(cli: click.Group) -> None:
@@ -160,6 +162,8 @@ def forced(overrides: tuple[str, ...]) -> list[str]:
             out.append(override)
             continue
         key = key.lstrip("+")
+        if len(key) > MAX_KEY:  # Hydra would look for a config group file of that name: ENAMETOOLONG
+            raise ConfigError(f"{printable(key[:60])}...: a key of {len(key)} characters, which no section has")
         target = alias(key)
         if seen.setdefault(target, key) != key:
             raise ConfigError(f"{key}: sets {target}, which {seen[target]} sets too; give it once")

@@ -6,10 +6,12 @@ else of the trainer.
 
 from __future__ import annotations
 
+import errno
 import os
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -29,13 +31,53 @@ class _Section(BaseModel):  # as algorithm_settings' (ruff sees a pydantic model
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+#: Bounds past which a value can only be a mistake: a seed numpy takes (below 2**32), a length
+#: in tokens no model has (16M; a prompt of 1e18 tokens once tried to allocate 8e18 bytes), a
+#: frequency of -1 (never) or more, a file name a filesystem takes (255 bytes a component).
+MAX_SEED = 2**32 - 1
+MAX_TOKENS = 2**24
+MAX_NAME_BYTES = 255
+MAX_PATH_BYTES = 4095
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+Tokens = Annotated[StrictInt, Field(gt=0, le=MAX_TOKENS)]
+Frequency = Annotated[int, Field(ge=-1)]
+
+
+def _name(value: str) -> str:
+    """A name that becomes one path component (a directory, a cache namespace's part)."""
+    if len(value.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        raise ValueError(f"at most {MAX_NAME_BYTES} bytes, as a file name (this one has {len(value.encode())})")
+    return value
+
+
+def _path(value: str) -> str:
+    """A path a filesystem takes: no component over 255 bytes, 4,095 in all, and no link on it
+    that loops (it would fail far from here, as a traceback)."""
+    encoded = value.encode("utf-8", "surrogatepass")
+    if len(encoded) > MAX_PATH_BYTES or any(len(part) > MAX_NAME_BYTES for part in encoded.split(b"/")):
+        raise ValueError(
+            f"a path of at most {MAX_PATH_BYTES} bytes, each of its directories at most {MAX_NAME_BYTES} "
+            f"(this one has {len(encoded)})"
+        )
+    try:
+        os.path.realpath(os.path.expanduser(value), strict=True)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError(f"{value} goes through a symbolic link that loops ({exc.filename})") from None
+    return value
+
+
+Name = Annotated[str, AfterValidator(_name)]
+LocalPath = Annotated[str, AfterValidator(_path)]
+
+
 class TaskConfig(BaseModel):
     """``task``: a registered task that builds data (and a model) under ``dir``. The other keys are
     the task's options: its ``Task.Options``, a subclass of this model, validates them."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
     name: str | None = None
-    dir: str = "runs/embedded"
+    dir: LocalPath = "runs/embedded"
 
 
 class ModelConfig(BaseModel):
@@ -62,8 +104,8 @@ class DataConfig(BaseModel):
     train_files: list[StrictStr] = []
     val_files: list[StrictStr] = []
     prompt_key: StrictStr = Field("prompt", min_length=1)
-    max_prompt_length: StrictInt = Field(512, gt=0)
-    max_response_length: StrictInt = Field(512, gt=0)
+    max_prompt_length: Tokens = 512
+    max_response_length: Tokens = 512
     truncation: Literal["left", "right", "middle", "error"] = "error"
     filter_overlong_prompts: StrictBool = True
     train_batch_size: StrictInt = Field(1024, gt=0)
@@ -72,7 +114,7 @@ class DataConfig(BaseModel):
     # verl's: keyword arguments of every chat-template rendering (Qwen3's enable_thinking=false)
     apply_chat_template_kwargs: dict[StrictStr, Any] = {}
     shuffle: StrictBool = True
-    seed: StrictInt = Field(0, ge=0)
+    seed: Annotated[StrictInt, Field(ge=0, le=MAX_SEED)] = 0
 
     @model_validator(mode="before")
     @classmethod
@@ -113,8 +155,8 @@ class RolloutConfig(Sampling):
     """
 
     backend: str = "hf"
-    max_model_len: PositiveInt | None = None
-    seed: NonNegativeInt | None = 0
+    max_model_len: Tokens | None = None
+    seed: Seed | None = 0
     timeout_s: PositiveFloat = 600.0
     stop: list[str] = []
     stop_token_ids: list[int] = []
@@ -141,21 +183,21 @@ class LoopConfig(RolloutConfig):
 class TrainerConfig(_Section):
     """``trainer``: length of the run, its directory, checkpoints, validation and loggers."""
 
-    project_name: str = "skip"
-    experiment_name: str = "run"
+    project_name: Name = "skip"
+    experiment_name: Name = "run"
     schedule: str = "sync"
     total_epochs: PositiveInt = 1
     total_training_steps: PositiveInt | None = None
-    default_local_dir: str = "runs/train"
-    save_freq: int = -1
-    test_freq: int = -1
+    default_local_dir: LocalPath = "runs/train"
+    save_freq: Frequency = -1  # -1 (or 0): never
+    test_freq: Frequency = -1
     val_before_train: bool = False
     critic_warmup: NonNegativeInt = 0  # steps that train only the critic, the actor from this step on
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
-    resume_from_path: str | None = None
+    resume_from_path: LocalPath | None = None
     max_ckpt_to_keep: PositiveInt | None = None
     logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = ["console", "jsonl"]
-    seed: NonNegativeInt = 0
+    seed: Seed = 0
     # Where the policy and the critic train (verl's key): auto is cuda when resources.actor asks
     # for GPUs, cpu otherwise.
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -36,6 +36,12 @@ def test_a_mistyped_override_names_the_key_and_the_allowed_ones_not_hydras_plus(
     assert "+" not in result.output
 
 
+def test_a_key_longer_than_any_file_name_is_one_line_not_hydras_file_error():
+    result = invoke("run", "+" + "k" * 300 + "=1")  # Hydra looked for a config group file of that name
+    assert result.exit_code == 1
+    assert result.output == f"Error: {'k' * 60}...: a key of 300 characters, which no section has\n"
+
+
 def test_every_key_of_a_declared_sections_model_overrides_though_the_yaml_does_not_name_it():
     """The shipped YAML names a few engine options; the vllm plugin's model has more."""
     assert "max_num_seqs" not in (ROOT / "plugins/trainer/skip_plugin_trainer/configs/rollout.yaml").read_text()

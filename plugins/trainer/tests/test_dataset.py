@@ -1,4 +1,5 @@
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -210,6 +211,26 @@ def test_bad_json_line_is_named(tmp_path, tokenizer):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps(row(0)) + "\n\n{oops\n")
     with pytest.raises(ConfigError, match=r"d\.jsonl, line 3: not JSON"):
+        RLDataset(path, tokenizer, config())
+
+
+@pytest.mark.parametrize(
+    ("cut", "message"),
+    [(0, "Parquet file size is 0 bytes"), (300, "Parquet magic bytes not found"), (None, "")],
+)
+def test_an_empty_or_cut_short_parquet_file_is_one_line_naming_it(tmp_path, tokenizer, cut, message):
+    path = tmp_path / "d.parquet"
+    whole = write_parquet(tmp_path / "whole.parquet", [row(0)]).read_bytes()
+    path.write_bytes(b"not parquet at all" if cut is None else whole[:cut])
+    where = re.escape(str(path))
+    with pytest.raises(ConfigError, match=rf"^{where}: not a parquet file pyarrow can read \(.*{message}"):
+        RLDataset(path, tokenizer, config())
+
+
+def test_a_json_line_nested_past_what_skip_reads_is_one_line(tmp_path, tokenizer):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"a": ' * 5000 + "1" + "}" * 5000 + "\n")  # json.loads would end in a RecursionError
+    with pytest.raises(ConfigError, match=r"d\.jsonl, line 1: not JSON \(nested 5000 levels deep, more than the 100"):
         RLDataset(path, tokenizer, config())
 
 

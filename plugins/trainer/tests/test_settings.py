@@ -1,6 +1,8 @@
 """The settings of a run: every declared section validated once, typed, and cross-checked; and the
 default torch threads per worker (never more threads at once than the pools' CPUs)."""
 
+import os
+
 import pytest
 from skip_core.config import ConfigError
 from skip_core.plugins import registry
@@ -67,6 +69,36 @@ def test_a_task_section_is_validated_by_the_named_tasks_own_options():
 def test_bad_settings_fail_at_once_naming_the_key(sections, message):
     with pytest.raises(ConfigError, match=message):
         settings(**sections)
+
+
+@pytest.mark.parametrize(
+    ("sections", "message"),
+    [
+        ({"actor": {"optim": {"lr": 1e9}}}, r"^actor\.optim\.lr: expected a number <= 1\.0, got 1000000000\.0$"),
+        ({"trainer": {"save_freq": -3}}, r"^trainer\.save_freq: expected an integer >= -1, got -3$"),
+        ({"trainer": {"test_freq": -2}}, r"^trainer\.test_freq: expected an integer >= -1, got -2$"),
+        ({"trainer": {"seed": 2**80}}, r"^trainer\.seed: expected an integer <= 4294967295, got 12089\d+$"),
+        ({"data": {"seed": 2**32}}, r"^data\.seed: expected an integer <= 4294967295"),
+        ({"rollout": {"seed": -1}}, r"^rollout\.seed: expected an integer >= 0"),
+        ({"data": {"max_prompt_length": 10**18}}, r"^data\.max_prompt_length: expected an integer <= 16777216, got"),
+        ({"data": {"max_response_length": 2**24 + 1}}, r"^data\.max_response_length: expected an integer <= 16777216"),
+        ({"rollout": {"max_model_len": 10**12}}, r"^rollout\.max_model_len: expected an integer <= 16777216"),
+        ({"trainer": {"experiment_name": "x" * 256}}, r"^trainer\.experiment_name: at most 255 bytes, as a file name"),
+        ({"trainer": {"project_name": "é" * 128}}, r"^trainer\.project_name: at most 255 bytes, .* has 256\)"),
+        ({"trainer": {"default_local_dir": "runs/" + "x" * 300}}, r"^trainer\.default_local_dir: a path of at most"),
+        ({"trainer": {"default_local_dir": "/r/" * 1400}}, r"^trainer\.default_local_dir: a path of at most 4095"),
+    ],
+)
+def test_values_that_can_only_be_a_mistake_fail_naming_the_key(sections, message):
+    with pytest.raises(ConfigError, match=message):
+        settings(**sections)
+
+
+def test_a_run_directory_behind_a_link_that_loops_fails_naming_the_key(tmp_path):
+    os.symlink(tmp_path / "loop", tmp_path / "loop")
+    with pytest.raises(ConfigError, match=r"^trainer\.default_local_dir: .*/loop/run goes through a symbolic link"):
+        settings(trainer={"default_local_dir": str(tmp_path / "loop" / "run")})
+    assert settings(trainer={"default_local_dir": str(tmp_path / "new" / "run")})  # absent is fine: it is made
 
 
 def test_the_identity_a_checkpoint_records_names_what_a_run_cannot_change():

@@ -7,13 +7,14 @@ nulls where rows differ in shape; ``messages`` and ``tools_kwargs`` drop them.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from skip_core import reading
 from skip_core.config import ConfigError
+from skip_core.console import printable
 
 SUFFIXES = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "jsonl"}
 
@@ -43,21 +44,28 @@ def read_rows(paths: list[Path]) -> list[tuple[str, Any]]:
 
 
 def _read_parquet(path: Path) -> list[tuple[str, Any]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    return [(f"{path}, row {i}", row) for i, row in enumerate(pq.read_table(path).to_pylist())]
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:  # empty, cut short, not parquet at all
+        raise ConfigError(f"{printable(path)}: not a parquet file pyarrow can read ({printable(exc)})") from None
+    return [(f"{path}, row {i}", row) for i, row in enumerate(table.to_pylist())]
 
 
 def _read_jsonl(path: Path) -> list[tuple[str, Any]]:
     rows = []
-    with open(path, encoding="utf-8") as lines:
+    with open(path, encoding="utf-8", errors="surrogateescape") as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
-            try:
-                rows.append((f"{path}, line {number}", json.loads(line)))
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}, line {number}: not JSON ({exc.msg}); expected an object a line") from None
+            try:  # bounded in nesting and in what it costs to build, as every JSON skip reads
+                rows.append((f"{path}, line {number}", reading.loads(line)))
+            except ValueError as exc:
+                why = printable(getattr(exc, "msg", exc))  # a JSONDecodeError's message without its position
+                where = f"{printable(path)}, line {number}"
+                raise ConfigError(f"{where}: not JSON ({why}); expected an object a line") from None
     return rows
 
 
