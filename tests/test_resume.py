@@ -20,6 +20,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from skip_core import entries
 from skip_core.cli import cli
+from skip_core.store import CacheStore
+from skip_plugin_trainer.commands import compose_config
+from skip_plugin_trainer.settings import RunSettings
 from skip_plugin_trainer.train.checkpoint import LATEST, CheckpointWarning
 from skip_plugin_trainer.train.tracking import Tracking
 from skiptests import CONFIGS
@@ -164,6 +167,25 @@ def test_a_second_run_on_a_run_directory_in_use_stops_in_one_line_naming_the_fir
         f"Error: trainer.default_local_dir: {run} is in use by pid {holder.pid} on {socket.gethostname()} "
         "(skip run); wait for it to end, or give this run another directory"
     ]
+
+
+def test_a_second_run_on_a_cache_namespace_in_use_stops_in_one_line_naming_the_first(task_dir, tmp_path):
+    """Two runs dumping one namespace would replace each other's entries as they are read."""
+    cache = tmp_path / "cache"
+    args = [*overrides(task_dir, tmp_path), "skip.rollout.enable=true", f"skip.rollout.dump_dir={cache}"]
+    settings = RunSettings.from_config(compose_config(CONFIGS, "run", tuple(args)))
+    namespace = str(CacheStore(cache, settings.namespace, "rollout").directory)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, namespace], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        holder.stdout.readline()
+        lines = skip_run_fails(*args)
+    finally:
+        holder.communicate(b"\n")
+    assert lines == [
+        f"Error: skip.rollout.dump_dir: {namespace} is in use by pid {holder.pid} on {socket.gethostname()} "
+        "(skip run); wait for it to end, or give this run another directory"
+    ]
+    assert not (tmp_path / "run").exists()  # nothing of the run written
 
 
 def as_float16(checkpoint, keep_record: bool) -> None:

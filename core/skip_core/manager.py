@@ -346,7 +346,17 @@ class SkipManager:
         process writes one of them. ``what``: this process's work, as that line will name it."""
         for slot in _slots.values():
             if slot.enabled and not slot.store.read_only:
-                slot.store.hold(what)
+                try:
+                    slot.store.hold(what)
+                except DirectoryInUse as exc:
+                    raise DirectoryInUse(f"skip.{slot.name}.dump_dir: {exc}") from None
+
+    @classmethod
+    def release(cls) -> None:
+        """Let go of the namespaces this process holds (``hold``, or its dumps'): the run is over."""
+        for slot in _slots.values():
+            if slot.store is not None:
+                slot.store.release()
 
     @classmethod
     def stores(cls) -> dict[str, CacheStore]:

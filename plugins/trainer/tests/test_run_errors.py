@@ -110,7 +110,7 @@ def corrupt(path: Path) -> str:
 
 def nested(path: Path) -> str:
     (path / "manifest.json").write_bytes(b"[" * 100_000 + b"]" * 100_000)
-    return r"manifest\.json .*nested 100000 levels deep[^;]*"
+    return r"manifest\.json\b.*nested 100000 levels deep[^;]*"
 
 
 def missing(path: Path) -> str:

@@ -16,11 +16,12 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 from rich.table import Table
-from skip_core import spans
+from skip_core import spans, writing
 from skip_core.batch import Batch
 from skip_core.config import ConfigError, StepSet
 from skip_core.manager import SkipManager
 from skip_core.schedule import GLOBAL_STEPS, INDEX_BASE
+from skip_core.store import CacheStore
 
 from skip_plugin_trainer.data import PromptLoader, RLDataset, generation_inputs
 from skip_plugin_trainer.rollout.agent_loop import AgentLoop
@@ -76,6 +77,10 @@ def run(config: Any, console: Console) -> Totals:
     if trainer.total_training_steps:  # known from the settings alone: refused before anything starts
         check_steps(settings.steps, trainer, batches=0)
     SkipManager.activate(settings.roles, settings.namespace, settings.setup)
+    SkipManager.hold("skip rollout")
+    output = CacheStore(settings.output_dir, settings.namespace, "rollout") if settings.output_dir else None
+    if output is not None:
+        output.hold("skip rollout")
     spans.configure(settings.sections, worker=0)
     parts = RolloutParts.from_settings(settings)
     if settings.task.name is not None:
@@ -92,12 +97,16 @@ def run(config: Any, console: Console) -> Totals:
         for step in settings.steps:
             before = loop.rollouts
             prompts, batch = _generate(loop, loader, step)
-            _save(settings, step, batch, console)
+            if output is not None:
+                console.print(f"saved step {step} to {output.save(step, batch)}")
             _progress(console, step, batch, cached=loop.rollouts == before, model=settings.model.path)
             totals.add(prompts, batch, _scores(rewarder, prompts, batch))
     finally:
         loop.shutdown()
         SkipManager.flush()
+        SkipManager.release()
+        if output is not None:
+            output.release()
         spans.close()
     seconds = time.perf_counter() - start
     console.print(summary(totals, settings, seconds, loaded=loop.rollouts == 0))
@@ -137,14 +146,6 @@ def _generate(loop: AgentLoop, loader: PromptLoader, step: int) -> tuple[Batch, 
     return prompts, loop.generate_sequences(inputs)
 
 
-def _save(settings: RolloutSettings, step: int, batch: Batch, console: Console) -> None:
-    if settings.output_dir:
-        from skip_core.store import CacheStore
-
-        path = CacheStore(settings.output_dir, settings.namespace, "rollout").save(step, batch)
-        console.print(f"saved step {step} to {path}")
-
-
 def _progress(console: Console, step: int, batch: Batch, cached: bool, model: str | None) -> None:
     """A line per step, also appended to the cache's ``skip_rollout.log`` when caching is on:
     what filled the cache, and with which weights, stays beside it."""
@@ -156,8 +157,8 @@ def _progress(console: Console, step: int, batch: Batch, cached: bool, model: st
     if store is None or cached:
         return
     try:
-        with open(store.directory / "skip_rollout.log", "a", encoding="utf-8") as log:
-            log.write(f"{datetime.now().isoformat(timespec='seconds')} {line}, weights: {model} (version 0)\n")
+        with writing.appending(store.root, store.directory.relative_to(store.root) / "skip_rollout.log") as log:
+            log.write(f"{datetime.now().isoformat(timespec='seconds')} {line}, weights: {model} (version 0)\n".encode())
     except OSError as exc:  # a progress log is no reason to stop generating
         warnings.warn(f"skip rollout: cannot append to {store.directory / 'skip_rollout.log'}: {exc}", stacklevel=2)
 

@@ -87,6 +87,7 @@ class Trainer:
         self.schedule: Schedule = schedule(s)
         self.parts = RolloutParts.from_settings(s)
         SkipManager.activate(s.roles, s.namespace, s.setup)
+        SkipManager.hold(f"skip run {s.trainer.experiment_name}")  # before any work: a second run stops here
         prepare_task(s)
         self.tokenizer, self.loader, self.val_set, self.rewarder = load_data(s, self.parts)
         self.total_steps = s.trainer.total_training_steps or len(self.loader) * s.trainer.total_epochs
@@ -163,6 +164,7 @@ class Trainer:
             self.cluster.close()
             spans.close()
         finally:
+            SkipManager.release()
             self._claim.close()
 
     # -- what a schedule uses (skip_core.schedule.Run) ------------------------------------
