@@ -34,6 +34,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pj
+from skip_core import reading
 from skip_core.reading import MAX_DEPTH, loads
 
 from skip_plugin_profiling.article import ATTRIBUTES, CANONICAL
@@ -177,8 +178,10 @@ def _find_files(root: Path) -> list[Path]:
     if not root.is_dir():
         raise FileNotFoundError(f"no such file or directory: {root}")
     steps = [d for d in root.iterdir() if d.is_dir() and _STEP_DIR.match(d.name)]
-    # only regular files: a named pipe called worker_0.jsonl would block the read forever
-    return sorted(f for d in steps or [root] for f in d.rglob("*.jsonl") if f.is_file())
+    # only regular files: a named pipe called worker_0.jsonl would block the read forever; and no
+    # recursion, which a tree 1,100 directories deep would end in a RecursionError
+    found = (here / name for d in steps or [root] for here, _, names in reading.walk(d) for name in names)
+    return sorted(f for f in found if f.suffix == ".jsonl" and f.is_file())
 
 
 def _context(file: Path) -> _Context:

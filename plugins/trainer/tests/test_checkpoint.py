@@ -26,6 +26,7 @@ from skip_plugin_trainer.train.checkpoint import (
     restore_rng,
 )
 from skip_plugin_trainer.train.checkpoint_files import MANIFEST, STATE, TENSORS, CorruptCheckpoint
+from skiptests import deep_tree
 from torch import nn
 
 # The one file a single rank's shards of the actor are (``shards.save`` with one process).
@@ -237,6 +238,18 @@ def test_a_file_the_manifest_does_not_list_is_corrupt_and_latest_falls_back(tmp_
         manager.load(2)
     with pytest.warns(CheckpointWarning, match="global_step_2: holds"):
         assert manager.latest().step == 1
+
+
+def test_a_tree_deeper_than_the_recursion_limit_is_corrupt_not_a_recursion_error(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    save_simple(manager, 1)
+    save_simple(manager, 2)
+    deep = deep_tree(tmp_path / "global_step_2" / "actor" / "d")
+    try:
+        with pytest.warns(CheckpointWarning, match="global_step_2: holds actor/d, which its manifest does not list"):
+            assert manager.latest().step == 1
+    finally:  # pytest's clean-up of old temporary directories recurses
+        files.delete_tree(deep)
 
 
 def test_a_models_directory_linked_elsewhere_is_corrupt(tmp_path):

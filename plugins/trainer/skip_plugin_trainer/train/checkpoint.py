@@ -244,7 +244,7 @@ class CheckpointManager:
             os.rename(path, trash)
         except FileNotFoundError:
             return
-        _delete(trash)
+        files.delete_tree(trash)
 
 
 def _check_step(step: int) -> int:
@@ -276,13 +276,6 @@ def _check_inside(path: Path, root: Path) -> None:
     real, real_root = os.path.realpath(path), os.path.realpath(root)
     if os.path.commonpath([real, real_root]) != real_root:
         raise CorruptCheckpoint(path, "resolves outside the checkpoint root")
-
-
-def _delete(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
 
 
 def capture_rng() -> dict[str, Any]:

@@ -195,10 +195,12 @@ def _listable(files: dict, required: set[str], version: int) -> bool:
 
 def _unlisted(path: Path, listed: set[str]) -> str | None:
     """An entry of the checkpoint that is neither the manifest nor a file it lists (one is enough)."""
-    for entry in sorted(path.rglob("*")):
-        name = entry.relative_to(path).as_posix()
-        if name not in listed and name != MANIFEST and not (name in GROUPS and entry.is_dir()):
-            return name
+    for here, dirnames, filenames in reading.walk(path):  # never recursive: a tree may be 1,100 levels deep
+        for name in [*dirnames, *filenames]:
+            relative = (here / name).relative_to(path).as_posix()
+            # A model's directory; one that is a link is refused when its listed files are read.
+            if relative not in listed and relative != MANIFEST and relative not in GROUPS:
+                return relative
     return None
 
 
