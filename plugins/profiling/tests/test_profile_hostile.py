@@ -291,3 +291,16 @@ def test_a_planted_link_where_a_worker_logs_stops_profiling_with_a_warning_and_i
         emit(recorder, "generate", None, 0.0, 1.0, step=1)
         recorder.close()
     assert users.read_text() == "mine"
+
+
+def test_a_log_directory_nested_past_the_recursion_limit_is_read(valid, tmp_path):
+    from skip_core.files import delete_tree
+    from skiptests import deep_tree
+
+    root, _ = valid
+    shutil.copytree(root, tmp_path / "profile")
+    deep = deep_tree(tmp_path / "profile" / "step_1" / "nested")  # a step directory is read whole
+    try:
+        assert len(read_logs(tmp_path / "profile")) == len(read_logs(root))  # Path.rglob: a RecursionError
+    finally:  # pytest's clean-up of old temporary directories recurses
+        delete_tree(deep)
