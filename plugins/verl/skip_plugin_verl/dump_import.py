@@ -31,6 +31,7 @@ from typing import Any
 
 from skip_core import reading
 from skip_core.config import Namespace
+from skip_core.console import printable
 from skip_core.store import CacheStore
 
 from skip_plugin_verl.tq_pickle import read_tq_batch
@@ -162,10 +163,14 @@ def import_verl(
 
     ``dst`` is the ``skip.<role>.dump_dir`` of the run that should find the entries; each lands in
     the namespace verl's directory names (``experiment_name``/``project_name`` settle a run
-    directory whose name splits more than one way). One line is echoed per step; a dump that
-    cannot be converted is reported and skipped. Returns the step directories written, with
-    the failures in ``.failed``.
+    directory whose name splits more than one way). One line is echoed per step, its control
+    characters escaped (paths and reasons come from the dump); a dump that cannot be converted is
+    reported and skipped. Returns the step directories written, with the failures in ``.failed``.
     """
+
+    def say(line: str) -> None:
+        echo(printable(line))
+
     src, dst = Path(src), Path(dst)
     written = ImportedSteps()
     sources: dict[Path, Path] = {}  # destination entry -> the dump imported into it
@@ -173,19 +178,19 @@ def import_verl(
     for dump in find_dumps(src):
         dumps += 1
         try:
-            path, line = _import_step(dump, dst, role, (experiment_name, project_name), sources, echo)
+            path, line = _import_step(dump, dst, role, (experiment_name, project_name), sources, say)
         except Exception as exc:  # one bad dump must not stop the others
-            reason = str(exc) or type(exc).__name__
+            reason = printable(str(exc) or type(exc).__name__)
             written.failed.append((dump, reason))
-            echo(f"error: {dump}: {reason}")
+            say(f"error: {dump}: {reason}")
             continue
         sources[path] = dump
         written.append(path)
-        echo(line)
+        say(line)
     if not dumps:
-        echo(f"no {GEN_BATCH} or {TQ_BATCH} found under {src}")
+        say(f"no {GEN_BATCH} or {TQ_BATCH} found under {src}")
     elif written.failed:
-        echo(f"{len(written.failed)} of {dumps} verl dumps could not be imported")
+        say(f"{len(written.failed)} of {dumps} verl dumps could not be imported")
     return written
 
 

@@ -3,27 +3,60 @@
 Reading a pickle can run code: ``find_class`` is where a pickle names the functions it calls, so
 ``RestrictedUnpickler`` answers it from a fixed allow-list and raises ``UnsafePickleError``
 naming anything else. What it returns cannot be modified through pickle's BUILD opcode
-(``sealed``). ``DTYPES`` and numpy's pickle support are the names verl's dumps need.
+(``sealed``, ``StandIn``). Before a byte is unpickled, ``pickle_scan.check_opcodes`` refuses
+opcodes that declare more than the pickle holds; whatever else goes wrong inside pickle, numpy
+or torch while loading comes out as one ``UnsafePickleError`` line naming the file.
 """
 
 from __future__ import annotations
 
-import importlib
+import contextlib
+import io
 import pickle
+import reprlib
 import types
-from collections.abc import Callable, Mapping
-from typing import IO, Any, ClassVar
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
 
 class UnsafePickleError(pickle.UnpicklingError):
-    """A pickle needs a global that this importer does not load (it could run code, or holds unstorable data)."""
+    """A pickle this importer refuses: it names a global outside the allow-list (which could run
+    code, or holds unstorable data), or it is malformed or lies about its sizes."""
 
 
 class VerlDumpError(ValueError):
     """A dump that is not in verl's rollout-skip format or cannot be stored as a skip entry."""
+
+
+# -- messages ----------------------------------------------------------------------------------
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 2, 60, 60, 4, 4
+
+
+def printable(text: object) -> str:
+    """``text`` on one line, control characters escaped (skip's console sanitiser)."""
+    from skip_core.console import printable as escaped  # rich only once a message is written
+
+    return escaped(text)
+
+
+def describe(value: Any) -> str:
+    """A short, one-line description of a value read from a file, safe on any value: reprlib
+    bounds size and depth, and a repr that raises (an int of 5,000 digits) gives the type."""
+    try:
+        text = _REPR.repr(value)
+    except Exception:
+        text = f"<{type(value).__name__}>"
+    return printable(text)
+
+
+def describe_error(exc: BaseException) -> str:
+    """``exc`` as one bounded line: its type and the start of its message."""
+    message = printable(str(exc))
+    return f"{type(exc).__name__}: {message[:200]}{'...' if len(message) > 200 else ''}"
 
 
 # -- the globals a verl dump may name --------------------------------------------------------
@@ -46,30 +79,6 @@ LEGACY_STORAGES = {
     "ComplexDoubleStorage": "complex128", "UntypedStorage": "uint8",
 }  # fmt: skip
 
-
-def _numpy_global(name: str, *modules: str) -> Any:
-    """``name`` from the first of ``modules`` that has it: numpy 2 renamed ``numpy.core`` to ``numpy._core``."""
-    for module in modules:
-        try:
-            return getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError):
-            continue
-    raise ImportError(f"numpy has no {name} in {modules}")
-
-
-def numpy_globals() -> dict[tuple[str, str], Any]:
-    """numpy's pickle support: arrays (object arrays included), dtypes and scalars."""
-    reconstruct = _numpy_global("_reconstruct", "numpy._core.multiarray", "numpy.core.multiarray")
-    scalar = _numpy_global("scalar", "numpy._core.multiarray", "numpy.core.multiarray")
-    frombuffer = _numpy_global("_frombuffer", "numpy._core.numeric", "numpy.core.numeric")
-    allowed: dict[tuple[str, str], Any] = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype}
-    for package in ("numpy._core", "numpy.core"):  # pickles name the module of the numpy that wrote them
-        allowed[(f"{package}.multiarray", "_reconstruct")] = reconstruct
-        allowed[(f"{package}.multiarray", "scalar")] = scalar
-        allowed[(f"{package}.numeric", "_frombuffer")] = frombuffer
-    return allowed
-
-
 _TENSOR_IN_DATA = (
     "a torch tensor inside non_tensor_batch or meta_info (e.g. multi_modal_inputs), which a skip entry cannot "
     "store as data"
@@ -91,13 +100,38 @@ class Sealed(type):
     def __delattr__(cls, name: str) -> None:
         raise UnsafePickleError(f"refusing to delete {name!r} from {cls.__name__}")
 
+    def __repr__(cls) -> str:
+        return f"<{cls.__name__}>"
+
+
+class StandIn(metaclass=Sealed):
+    """Base of the objects stand-ins build: slots only (no ``__dict__`` for BUILD to fill), and no
+    attribute set from outside; a subclass sets its slots with ``object.__setattr__``."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise UnsafePickleError(f"refusing to set {name!r} on {type(self).__name__}")
+
+    def __delattr__(self, name: str) -> None:
+        raise UnsafePickleError(f"refusing to delete {name!r} from {type(self).__name__}")
+
+
+class Marker(StandIn):
+    """A class a pickle names only to pass it on (``numpy.ndarray`` to ``_reconstruct``,
+    ``TensorDict`` to ``_make_td``), compared by identity: never instantiated."""
+
+    __slots__ = ()
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Marker:
+        raise UnsafePickleError(f"refusing to instantiate {cls.__name__}")
+
 
 class _Global:
     """An allowed Python function as ``find_class`` returns it: callable, but not modifiable.
 
     pickle's BUILD opcode sets attributes on whatever object is on the stack, globals
     included; a function's ``__defaults__`` or ``__dict__`` must not be reachable that way.
-    Classes and functions implemented in C (numpy's, torch's) are immutable already.
     """
 
     __slots__ = ("_function",)
@@ -107,6 +141,9 @@ class _Global:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._function(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<{self._function.__qualname__}>"
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise UnsafePickleError(f"refusing to set {name!r} on {self._function.__qualname__}")
@@ -122,30 +159,62 @@ def sealed(allowed: Mapping[tuple[str, str], Any]) -> Mapping[tuple[str, str], A
     )
 
 
+@contextlib.contextmanager
+def reader_errors(where: str) -> Iterator[None]:
+    """Whatever decoding a dump raises comes out as this importer's errors, on one line: torch,
+    numpy and zipfile raise their own on data they were never meant to be given."""
+    try:
+        yield
+    except (UnsafePickleError, VerlDumpError):
+        raise
+    except Exception as exc:
+        raise VerlDumpError(f"{printable(where)} is not a dump this importer can read: {describe_error(exc)}") from None
+
+
+def ints(value: Any, what: str) -> tuple[int, ...]:
+    """``value`` (a tuple, list or ``torch.Size``) as non-negative Python ints: a shape, strides."""
+    if not isinstance(value, (tuple, list)) or len(value) > 64 or not all(type(n) is int and n >= 0 for n in value):
+        raise VerlDumpError(f"{what} is {describe(value)}, not a list of at most 64 non-negative integers")
+    return tuple(value)
+
+
 class RestrictedUnpickler(pickle.Unpickler):
-    """An unpickler that resolves only the globals in ``allowed`` and refuses all others.
+    """An unpickler of ``data`` that resolves only the globals in ``allowed`` and refuses all others.
 
     ``where`` names the pickle in its errors.
     """
 
     allowed: ClassVar[Mapping[tuple[str, str], Any]] = {}
 
-    def __init__(self, file: IO[bytes], where: str) -> None:
-        super().__init__(file)
+    def __init__(self, data: bytes, where: str) -> None:
+        super().__init__(io.BytesIO(data))
+        self.data = data
         self.where = where
+
+    def load(self) -> Any:
+        from skip_plugin_verl.pickle_scan import check_opcodes
+
+        try:
+            check_opcodes(self.data, self.where)
+            return super().load()
+        except (UnsafePickleError, VerlDumpError):
+            raise
+        except Exception as exc:  # pickle's own, and what numpy or torch raised inside a stand-in
+            raise UnsafePickleError(f"{self.where} does not unpickle: {describe_error(exc)}") from None
 
     def find_class(self, module: str, name: str) -> Any:
         found = self.allowed.get((module, name))
         if found is not None:
             return found
+        where, named = printable(self.where), printable(f"{module}.{name}")
         reason = _UNSUPPORTED.get((module, name))
         if reason is not None:
-            raise UnsafePickleError(f"{self.where} contains {reason} (global {module}.{name}); it cannot be imported")
+            raise UnsafePickleError(f"{where} contains {reason} (global {named}); it cannot be imported")
         raise UnsafePickleError(
-            f"refusing to load global {module}.{name} from {self.where}: a verl rollout dump only "
+            f"refusing to load global {named} from {where}: a verl rollout dump only "
             "references DataProto, numpy arrays and tensordict/torch tensor rebuilds; this file was "
             "not written by verl's rollout skip or was tampered with"
         )
 
     def persistent_load(self, pid: Any) -> Any:
-        raise UnsafePickleError(f"refusing persistent id {pid!r} in {self.where}")
+        raise UnsafePickleError(f"refusing persistent id {describe(pid)} in {printable(self.where)}")

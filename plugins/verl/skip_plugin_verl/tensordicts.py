@@ -32,16 +32,31 @@ def to_batch(data: Any, keys: Sequence[str], tags: Sequence[dict], prompts: Sequ
     digest of the prompt behind each row (``None`` where it is not known)."""
     from tensordict import NonTensorData, NonTensorStack
 
-    tensors, columns, single = {}, {}, {}
+    tensors, stacks, single = {}, {}, {}
     for name, value in data.items():
-        if name in COLUMNS:
-            raise ValueError(f"a TransferQueue field is named {name!r}, which skip uses for its own column")
         if isinstance(value, NonTensorStack):
-            columns[name] = _objects(_items(value))
+            stacks[name] = _items(value)
         elif isinstance(value, NonTensorData):
             single[name] = value.data
         else:
             tensors[name] = value
+    return batch_of(tensors, stacks, single, keys, tags, prompts)
+
+
+def batch_of(
+    tensors: dict[str, Any],
+    stacks: dict[str, list],
+    single: dict[str, Any],
+    keys: Sequence[str],
+    tags: Sequence[dict],
+    prompts: Sequence[str | None],
+) -> Batch:
+    """``to_batch`` of a TensorDict's fields already sorted by kind: tensors, ``NonTensorStack``
+    values (a list, one per row) and ``NonTensorData`` values."""
+    for name in (*tensors, *stacks, *single):
+        if name in COLUMNS:
+            raise ValueError(f"a TransferQueue field is named {name!r}, which skip uses for its own column")
+    columns = {name: _objects(values) for name, values in stacks.items()}
     columns[KEY] = np.array(list(keys), dtype=object)
     columns[TAGS] = _objects([dict(tag) for tag in tags])
     columns[PROMPT] = _objects(list(prompts))

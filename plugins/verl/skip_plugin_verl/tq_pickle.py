@@ -10,69 +10,99 @@ one per row), plus the keys and tags of the rows.
 The archive is read by ``torch_archive``'s restricted unpickler, extended here with stand-ins
 for those globals that only collect data: no tensordict or torch constructor runs, the
 dynamic-shape marks are dropped, and a jagged tensor is rebuilt from checked values and offsets.
-Anything else in the file is refused, naming the global.
+Anything else in the file is refused, naming the global. The non-tensor values, keys and tags
+are rebuilt from plain values only (``plain_values``), and every size the file declares is
+charged to its budget (``budget``), as for ``gen_batch.dp``.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from skip_core import reading
 from skip_core.batch import Batch
 
-from skip_plugin_verl.restricted_pickle import Sealed, UnsafePickleError, VerlDumpError, numpy_globals, sealed
-from skip_plugin_verl.tensordicts import PROMPT, to_batch
-from skip_plugin_verl.torch_archive import TensorDictData, _TensorDictClass, _TorchZipUnpickler, load_torch_archive
+from skip_plugin_verl import budget
+from skip_plugin_verl.numpy_pickle import numpy_globals
+from skip_plugin_verl.plain_values import plain
+from skip_plugin_verl.restricted_pickle import (
+    Marker,
+    StandIn,
+    UnsafePickleError,
+    VerlDumpError,
+    describe,
+    ints,
+    printable,
+    reader_errors,
+    sealed,
+)
+from skip_plugin_verl.tensordicts import PROMPT, batch_of
+from skip_plugin_verl.torch_archive import TensorDictClass, TensorDictData, _TorchZipUnpickler, load_torch_archive
 
 TQ_DUMP = "tq_batch.pt"
+_UNSET = object()
 
 
-class _Inert:
-    """An object pickle builds (``NEWOBJ`` then ``BUILD``) that keeps its state and does nothing."""
+class _Inert(StandIn):
+    """An object pickle builds (``NEWOBJ`` then ``BUILD``) that keeps its state, once, and does nothing."""
+
+    __slots__ = ("state",)
 
     def __new__(cls, *args: Any) -> _Inert:
-        return object.__new__(cls)
+        self = object.__new__(cls)
+        object.__setattr__(self, "state", _UNSET)
+        return self
 
     def __setstate__(self, state: Any) -> None:
+        if self.state is not _UNSET:
+            raise UnsafePickleError(f"refusing a second state for {type(self).__name__}")
         object.__setattr__(self, "state", state)
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise UnsafePickleError(f"refusing to set {name!r} on {type(self).__name__}")
 
-
-class _NonTensorData(_Inert, metaclass=Sealed):
+class _NonTensorData(_Inert):
     """Stands in for ``tensordict.tensorclass.NonTensorData``: one Python value."""
 
+    __slots__ = ()
 
-class _NonTensorStack(_Inert, metaclass=Sealed):
+
+class _NonTensorStack(_Inert):
     """Stands in for ``tensordict.tensorclass.NonTensorStack``: one ``NonTensorData`` per row."""
 
+    __slots__ = ()
 
-class _DimRange(_Inert, metaclass=Sealed):
+
+class _DimRange(_Inert):
     """Stands in for torch.compile's ``_DimRange`` mark on a tensor: dropped."""
 
+    __slots__ = ()
 
-class _TensorClass(metaclass=Sealed):
+
+class _TensorClass(Marker):
     """Stands in for ``torch.Tensor`` as the type argument of ``_rebuild_from_type_v2``."""
 
 
-class _NestedTensorClass(metaclass=Sealed):
+class _NestedTensorClass(Marker):
     """Stands in for torch's ``NestedTensor`` class, likewise."""
 
 
 def _rebuild_from_type(function: Any, new_type: Any, args: Any, state: Any) -> Any:
-    """torch's ``_rebuild_from_type_v2`` without its state: the state holds only torch.compile marks."""
-    if new_type not in (_TensorClass, _NestedTensorClass) or not isinstance(args, tuple) or not callable(function):
-        raise VerlDumpError(f"unexpected tensor rebuild of {new_type!r}")
+    """torch's ``_rebuild_from_type_v2`` without its state: the state holds only torch.compile marks.
+    ``function`` may only be one of the tensor rebuilds this unpickler knows."""
+    rebuilds = [_TqUnpickler.allowed[name] for name in _TENSOR_REBUILDS]
+    if new_type not in (_TensorClass, _NestedTensorClass) or type(args) is not tuple:
+        raise VerlDumpError(f"unexpected tensor rebuild of {describe(new_type)}")
+    if not any(function is rebuild for rebuild in rebuilds):
+        raise VerlDumpError(f"unexpected tensor rebuild through {describe(function)}")
     return function(*args)
 
 
 def _rebuild_njt(arguments: Any) -> torch.Tensor:
     """torch's ``_rebuild_njt``: a jagged tensor from values and offsets, both checked."""
-    if not isinstance(arguments, Mapping):
+    if type(arguments) is not dict:
         raise VerlDumpError("nested tensor rebuilt without its arguments")
     values, offsets = arguments.get("values"), arguments.get("offsets")
     if arguments.get("lengths") is not None or arguments.get("_ragged_idx", 1) != 1:
@@ -83,31 +113,41 @@ def _rebuild_njt(arguments: Any) -> torch.Tensor:
         raise VerlDumpError("nested tensor offsets are not a 1-d int64 tensor")
     if offsets[0] != 0 or offsets[-1] != len(values) or bool((offsets.diff() < 0).any()):
         raise VerlDumpError("nested tensor offsets do not split its values into rows")
+    budget.charge(values.numel() * values.element_size(), f"a jagged {values.dtype} tensor of {len(values)} values")
     return torch.nested.nested_tensor_from_jagged(values.clone(), offsets.clone())
 
 
 def _latin1(text: Any, encoding: Any = "latin1") -> bytes:
     """``_codecs.encode`` as protocol 2 uses it for bytes (a numpy scalar's): latin-1 only."""
     if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
-        raise VerlDumpError(f"unexpected bytes encoding {encoding!r}")
+        raise VerlDumpError(f"unexpected bytes encoding {describe(encoding)}")
     return text.encode("latin1")
+
+
+def _set(items: Any = ()) -> set:
+    """``set(items)`` as protocol 2 pickles a set (torch.compile's marks): from a list only."""
+    if type(items) not in (list, tuple):
+        raise VerlDumpError(f"a set of {describe(items)}")
+    return set(items)
 
 
 def _make_td(cls: Any, state: Any) -> Any:
     """tensordict's ``_make_td``: a TensorDict's fields, or a stack of non-tensor values."""
-    if not isinstance(state, Mapping):
-        raise VerlDumpError(f"unexpected reduction of {cls!r}")
+    if type(state) is not dict:
+        raise VerlDumpError(f"unexpected reduction of {describe(cls)}")
     if cls is _NonTensorStack:
         stack = _NonTensorStack()
         stack.__setstate__(state)
         return stack
-    if cls is not _TensorDictClass:
-        raise VerlDumpError(f"unexpected reduction of {cls!r}")
+    if cls is not TensorDictClass:
+        raise VerlDumpError(f"unexpected reduction of {describe(cls)}")
     fields = state.get("_tensordict") or {}
-    if not isinstance(fields, Mapping):
+    if type(fields) is not dict:
         raise VerlDumpError("TensorDict without fields")
-    batch_size = state.get("_batch_size") or ()
-    return TensorDictData(dict(fields), tuple(int(n) for n in batch_size))
+    return TensorDictData(dict(fields), ints(state.get("_batch_size") or (), "TensorDict batch size"))
+
+
+_TENSOR_REBUILDS = (("torch._utils", "_rebuild_tensor_v2"), ("torch.nested._internal.nested_tensor", "_rebuild_njt"))
 
 
 class _TqUnpickler(_TorchZipUnpickler):
@@ -122,60 +162,86 @@ class _TqUnpickler(_TorchZipUnpickler):
             ("torch.nested._internal.nested_tensor", "NestedTensor"): _NestedTensorClass,
             ("torch", "Tensor"): _TensorClass,
             ("torch._dynamo.decorators", "_DimRange"): _DimRange,
-            ("__builtin__", "set"): set,
-            ("builtins", "set"): set,
+            ("__builtin__", "set"): _set,
+            ("builtins", "set"): _set,
             ("_codecs", "encode"): _latin1,
             **numpy_globals(),  # the dataset's fields as numpy scalars and arrays
         }
     )
 
 
-def read_tq_batch(path: str | os.PathLike) -> tuple[Batch, int]:
-    """One ``tq_batch.pt`` as a skip ``Batch`` of trajectories (keys and tags as columns, the
-    prompt of each row unknown) and the step verl recorded; ``VerlDumpError`` /
+@dataclass
+class TqDump:
+    """A ``tq_batch.pt`` decoded: the trajectories' tensors, their non-tensor fields (one value
+    per row, or one for all rows), TransferQueue's keys and tags of the rows, and the step."""
+
+    tensors: dict[str, torch.Tensor]
+    stacks: dict[str, list]
+    singles: dict[str, Any]
+    keys: list[str]
+    tags: list[dict]
+    step: int
+
+
+def decode_tq_batch(path: str | os.PathLike) -> TqDump:
+    """One ``tq_batch.pt``, decoded to plain values and tensors; ``VerlDumpError`` /
     ``UnsafePickleError`` / ``UnsafeFile`` naming what is not verl's format."""
     where = str(path)
-    with reading.opened(path) as fd, os.fdopen(os.dup(fd), "rb") as f:  # a regular file, not a link or pipe
+    with (
+        reading.opened(path) as fd,  # a regular file, not a link or pipe
+        os.fdopen(os.dup(fd), "rb") as f,
+        budget.limited(where, os.fstat(fd).st_size),
+        reader_errors(where),
+    ):
         payload = load_torch_archive(f, where, _TqUnpickler)
-    if not isinstance(payload, dict) or not {"tensordict", "tags", "keys"} <= set(payload):
-        raise VerlDumpError(f"{where} is not verl's rollout_tq dump (tensordict, tags, keys)")
-    data, keys, tags = payload["tensordict"], payload["keys"], payload["tags"]
-    if not isinstance(data, TensorDictData) or not isinstance(keys, list) or not isinstance(tags, list):
-        raise VerlDumpError(f"{where}: tensordict, keys or tags of the wrong type")
-    if not all(isinstance(k, str) for k in keys) or not all(isinstance(t, dict) for t in tags):
-        raise VerlDumpError(f"{where}: keys that are not strings or tags that are not dicts")
-    step = payload.get("global_steps")
-    fields = {name: _field(name, value, len(keys)) for name, value in data.tensors.items()}
-    return to_batch(_Fields(fields), keys, tags, [None] * len(keys)), step if isinstance(step, int) else -1
+        if type(payload) is not dict or not {"tensordict", "tags", "keys"} <= set(payload):
+            raise VerlDumpError(f"{printable(where)} is not verl's rollout_tq dump (tensordict, tags, keys)")
+        data = payload["tensordict"]
+        keys, tags = plain(payload["keys"], "keys"), plain(payload["tags"], "tags")
+        if not isinstance(data, TensorDictData) or type(keys) is not list or type(tags) is not list:
+            raise VerlDumpError(f"{printable(where)}: tensordict, keys or tags of the wrong type")
+        if not all(type(k) is str for k in keys) or not all(type(t) is dict for t in tags):
+            raise VerlDumpError(f"{printable(where)}: keys that are not strings or tags that are not dicts")
+        step = payload.get("global_steps")
+        dump = TqDump({}, {}, {}, keys, tags, step if type(step) is int else -1)
+        for name, value in data.tensors.items():
+            _field(dump, name, value)
+    return dump
 
 
-class _Fields(dict):
-    """The decoded fields, read by ``tensordicts.to_batch`` as a TensorDict's ``items()``."""
-
-
-def _field(name: str, value: Any, rows: int) -> Any:
-    from tensordict import NonTensorData, NonTensorStack
-
+def _field(dump: TqDump, name: Any, value: Any) -> None:
+    """The field ``name`` of the trajectories, into ``dump`` by its kind."""
+    rows = len(dump.keys)
+    if type(name) is not str:
+        raise VerlDumpError(f"field {describe(name)} is not named by a string")
     if isinstance(value, torch.Tensor):
         if len(value) != rows:
-            raise VerlDumpError(f"field {name!r} has {len(value)} rows, the dump has {rows} keys")
-        return value
-    if isinstance(value, _NonTensorData):
-        return NonTensorData(_data(name, value))
-    if isinstance(value, _NonTensorStack):
-        items = value.state.get("tensordicts") if isinstance(value.state, Mapping) else None
-        if not isinstance(items, list) or len(items) != rows or not all(isinstance(i, _NonTensorData) for i in items):
-            raise VerlDumpError(f"field {name!r} is not a stack of {rows} non-tensor values")
-        return NonTensorStack(*(_data(name, item) for item in items))
-    raise VerlDumpError(f"field {name!r} is a {type(value).__name__}, which a skip entry cannot store")
+            raise VerlDumpError(f"field {describe(name)} has {len(value)} rows, the dump has {rows} keys")
+        dump.tensors[name] = value
+    elif isinstance(value, _NonTensorData):
+        dump.singles[name] = plain(_data(name, value), f"field {name!r}")
+    elif isinstance(value, _NonTensorStack):
+        items = value.state.get("tensordicts") if type(value.state) is dict else None
+        if type(items) is not list or len(items) != rows or not all(isinstance(i, _NonTensorData) for i in items):
+            raise VerlDumpError(f"field {describe(name)} is not a stack of {rows} non-tensor values")
+        dump.stacks[name] = plain([_data(name, item) for item in items], f"field {name!r}")
+    else:
+        raise VerlDumpError(f"field {describe(name)} is a {type(value).__name__}, which a skip entry cannot store")
 
 
 def _data(name: str, item: _NonTensorData) -> Any:
-    state = getattr(item, "state", None)
-    values = state.get("non_tensordict") if isinstance(state, Mapping) else None
-    if not isinstance(values, Mapping) or "data" not in values:
-        raise VerlDumpError(f"field {name!r}: a non-tensor value without its data")
+    values = item.state.get("non_tensordict") if type(item.state) is dict else None
+    if type(values) is not dict or "data" not in values:
+        raise VerlDumpError(f"field {describe(name)}: a non-tensor value without its data")
     return values["data"]
 
 
-__all__ = ["PROMPT", "TQ_DUMP", "read_tq_batch"]
+def read_tq_batch(path: str | os.PathLike) -> tuple[Batch, int]:
+    """One ``tq_batch.pt`` as a skip ``Batch`` of trajectories (keys and tags as columns, the
+    prompt of each row unknown) and the step verl recorded (``decode_tq_batch``)."""
+    dump = decode_tq_batch(path)
+    batch = batch_of(dump.tensors, dump.stacks, dump.singles, dump.keys, dump.tags, [None] * len(dump.keys))
+    return batch, dump.step
+
+
+__all__ = ["PROMPT", "TQ_DUMP", "TqDump", "decode_tq_batch", "read_tq_batch"]

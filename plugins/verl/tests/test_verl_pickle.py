@@ -115,7 +115,7 @@ def test_build_cannot_modify_the_allowed_globals(tmp_path, payload):
 
     frombuffer = numeric._frombuffer
     defaults, attributes = frombuffer.__defaults__, dict(frombuffer.__dict__)
-    with pytest.raises((UnsafePickleError, AttributeError, TypeError)):
+    with pytest.raises(UnsafePickleError):  # the reader's own error, whatever BUILD tried
         read_gen_batch(written(tmp_path, payload))
     assert frombuffer.__defaults__ == defaults and frombuffer.__dict__ == attributes
     assert read_gen_batch(real_dump(1)).equals(expected(1))
@@ -130,7 +130,7 @@ def test_tensors_inside_non_tensor_batch_are_refused_with_the_reason(tmp_path):
 
 
 def test_a_truncated_dump_is_an_error(tmp_path):
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(UnsafePickleError, match=r"gen_batch\.dp: FRAME at byte 2 declares 6373 bytes, past the end"):
         read_gen_batch(written(tmp_path, real_dump(1).read_bytes()[:-100]))
 
 
