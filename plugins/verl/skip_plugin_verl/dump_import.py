@@ -56,13 +56,11 @@ class ImportedSteps(list):
 
 
 def find_dumps(src: Path) -> Iterator[Path]:
-    """Every ``gen_batch.dp`` and ``tq_batch.pt`` under ``src``, in (directory, step) order."""
+    """Every ``gen_batch.dp`` and ``tq_batch.pt`` under ``src``, in (directory, step) order; links
+    never followed, and a tree nested past Python's recursion limit walked all the same."""
     found = []
-    for dirpath, dirnames, filenames in os.walk(src):
-        dirnames.sort()
-        for name in (GEN_BATCH, TQ_BATCH):
-            if name in filenames:
-                found.append(Path(dirpath) / name)
+    for dirpath, _, filenames in reading.walk(src):
+        found.extend(dirpath / name for name in (GEN_BATCH, TQ_BATCH) if name in filenames)
     yield from sorted(found, key=_order)
 
 

@@ -30,7 +30,8 @@ _OPS = {op.code.encode("latin1"): op for op in pickletools.opcodes}
 
 def check_opcodes(data: bytes, where: str) -> None:
     """Refuse ``data`` (``UnsafePickleError``, naming ``where`` and the opcode's offset) if an
-    opcode is unknown, malformed, or declares more than the pickle holds; stops at STOP."""
+    opcode is unknown, malformed, or declares more than the pickle holds, or if anything follows
+    its STOP (pickle would ignore it; here it would only inflate the budget its size sets)."""
     reader, size, memoized = io.BytesIO(data), len(data), 0  # shares data's buffer: no copy
     while True:
         at = reader.tell()
@@ -62,6 +63,10 @@ def check_opcodes(data: bytes, where: str) -> None:
                 )
             memoized += 1
         if op.name == "STOP":
+            if reader.tell() < size:
+                raise UnsafePickleError(
+                    f"{printable(where)} holds {size - reader.tell()} bytes after its pickle's end, at byte {at}"
+                )
             return
 
 

@@ -54,8 +54,12 @@ def describe(value: Any) -> str:
 
 
 def describe_error(exc: BaseException) -> str:
-    """``exc`` as one bounded line: its type and the start of its message."""
-    message = printable(str(exc))
+    """``exc`` as one bounded line: its type and the start of its message (if it can be had: the
+    message of a ``KeyError`` is the repr of its key, which a file can nest past the recursion limit)."""
+    try:
+        message = printable(str(exc))
+    except Exception:
+        message = "(a message that cannot be shown)"
     return f"{type(exc).__name__}: {message[:200]}{'...' if len(message) > 200 else ''}"
 
 

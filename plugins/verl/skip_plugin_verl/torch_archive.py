@@ -22,7 +22,6 @@ import struct
 import sys
 import zipfile
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, BinaryIO, ClassVar
 
 import torch
@@ -51,17 +50,43 @@ class TensorDictClass(Marker):
     """Stands in for ``tensordict._td.TensorDict`` as the class argument of ``_make_td``."""
 
 
-@dataclass
-class TensorDictData:
-    """What a pickled TensorDict becomes here: flat tensors and the batch size."""
+class TensorDictData(StandIn):
+    """What a pickled TensorDict becomes here: flat tensors and the batch size (a stand-in: the
+    pickle can reach it, and BUILD would set a dataclass's attributes)."""
 
-    tensors: dict[str, torch.Tensor]
-    batch_size: tuple[int, ...]
+    __slots__ = ("batch_size", "tensors")
+
+    def __new__(cls, tensors: dict[str, Any], batch_size: tuple[int, ...]) -> TensorDictData:
+        self = object.__new__(cls)
+        object.__setattr__(self, "tensors", tensors)
+        object.__setattr__(self, "batch_size", batch_size)
+        return self
+
+
+class PickledTensor(StandIn):
+    """A tensor as the stand-ins hand it to the pickle: held, never on the pickle's stack itself,
+    where BUILD would call ``Tensor.__setstate__`` and ``set_`` would point it at any storage, size
+    and strides (a stride 0 over one element, 2**28 of them: 643 bytes wrote a 2 GB entry)."""
+
+    __slots__ = ("tensor",)
+
+    def __new__(cls, tensor: torch.Tensor) -> PickledTensor:
+        self = object.__new__(cls)
+        object.__setattr__(self, "tensor", tensor)
+        return self
+
+
+def tensor_of(value: Any, what: str) -> torch.Tensor:
+    """The tensor a rebuild gave, or ``VerlDumpError`` naming ``what`` for anything else."""
+    if not isinstance(value, PickledTensor):
+        raise VerlDumpError(f"{what} is a {type(value).__name__}, not a tensor")
+    return value.tensor
 
 
 def _consolidated_td(metadata: Any, storage: Any) -> TensorDictData:
     """tensordict's ``_rebuild_tensordict_files_consolidated``: slices of one flat uint8 storage."""
-    if not isinstance(storage, torch.Tensor) or storage.dtype != torch.uint8 or storage.dim() != 1:
+    storage = tensor_of(storage, "a consolidated TensorDict's storage")
+    if storage.dtype != torch.uint8 or storage.dim() != 1:
         raise VerlDumpError("consolidated TensorDict without a flat uint8 storage")
     if type(metadata) is not dict:
         raise VerlDumpError("consolidated TensorDict without metadata")
@@ -112,10 +137,8 @@ def _make_td(cls: Any, state: Any) -> TensorDictData:
     tensors = state.get("_tensordict") or {}
     if type(tensors) is not dict:
         raise VerlDumpError("TensorDict without its tensors")
-    for key, value in tensors.items():
-        if not isinstance(value, torch.Tensor):
-            raise VerlDumpError(f"batch[{describe(key)}] is a {type(value).__name__}; skip stores flat tensors only")
-    return TensorDictData(dict(tensors), ints(state.get("_batch_size") or (), "TensorDict batch size"))
+    tensors = {key: tensor_of(value, f"batch[{describe(key)}]") for key, value in tensors.items()}
+    return TensorDictData(tensors, ints(state.get("_batch_size") or (), "TensorDict batch size"))
 
 
 class StorageType(StandIn):
@@ -129,13 +152,17 @@ class StorageType(StandIn):
         return self
 
 
-class _Storage:
-    """One ``data/{key}`` record of a torch zip archive, read as bytes."""
+class _Storage(StandIn):
+    """One ``data/{key}`` record of a torch zip archive, read as bytes (a stand-in: ``persistent_load``
+    puts it on the pickle's stack, where BUILD would set a plain object's attributes)."""
 
-    def __init__(self, data: bytearray, dtype: torch.dtype) -> None:
-        self.data = data
-        self.dtype = dtype
-        self._flat: dict[torch.dtype, torch.Tensor] = {}
+    __slots__ = ("_flat", "data", "dtype")
+
+    def __new__(cls, data: bytearray, dtype: torch.dtype) -> _Storage:
+        self = object.__new__(cls)
+        for name, value in (("data", data), ("dtype", dtype), ("_flat", {})):
+            object.__setattr__(self, name, value)
+        return self
 
     def flat(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The record as a 1-d tensor of ``dtype`` (its own by default), over the same bytes."""
@@ -154,19 +181,19 @@ def from_bytes(data: bytearray, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(data, dtype=dtype)
 
 
-def _rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks, metadata=None) -> torch.Tensor:
+def _rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks, metadata=None) -> PickledTensor:
     """torch's ``_rebuild_tensor_v2``, on a storage record read by ``_TorchZipUnpickler``."""
     return _view(storage, None, offset, size, stride, hooks, metadata)
 
 
-def _rebuild_tensor_v3(storage, offset, size, stride, requires_grad, hooks, dtype, metadata=None) -> torch.Tensor:
+def _rebuild_tensor_v3(storage, offset, size, stride, requires_grad, hooks, dtype, metadata=None) -> PickledTensor:
     """torch's ``_rebuild_tensor_v3`` (dtypes without a legacy storage class, e.g. uint16)."""
     if not isinstance(dtype, torch.dtype):
         raise VerlDumpError(f"tensor rebuilt as {describe(dtype)}, which is not a torch dtype")
     return _view(storage, dtype, offset, size, stride, hooks, metadata)
 
 
-def _view(storage: Any, dtype: torch.dtype | None, offset, size, stride, hooks, metadata) -> torch.Tensor:
+def _view(storage: Any, dtype: torch.dtype | None, offset, size, stride, hooks, metadata) -> PickledTensor:
     """The tensor a rebuild describes: a view of its storage read as ``dtype``, every element it
     addresses inside the storage, and no more elements than the storage holds."""
     if not isinstance(storage, _Storage):
@@ -186,7 +213,7 @@ def _view(storage: Any, dtype: torch.dtype | None, offset, size, stride, hooks, 
             f"{len(flat)}-element storage holds"
         )
     charge(numel * flat.element_size(), f"a {flat.dtype} tensor of shape {size}")
-    return torch.as_strided(flat, size, stride, offset)
+    return PickledTensor(torch.as_strided(flat, size, stride, offset))
 
 
 def _size(dims: Any) -> torch.Size:

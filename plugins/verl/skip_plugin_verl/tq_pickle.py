@@ -41,7 +41,14 @@ from skip_plugin_verl.restricted_pickle import (
     sealed,
 )
 from skip_plugin_verl.tensordicts import PROMPT, batch_of
-from skip_plugin_verl.torch_archive import TensorDictClass, TensorDictData, _TorchZipUnpickler, load_torch_archive
+from skip_plugin_verl.torch_archive import (
+    PickledTensor,
+    TensorDictClass,
+    TensorDictData,
+    _TorchZipUnpickler,
+    load_torch_archive,
+    tensor_of,
+)
 
 TQ_DUMP = "tq_batch.pt"
 _UNSET = object()
@@ -100,21 +107,22 @@ def _rebuild_from_type(function: Any, new_type: Any, args: Any, state: Any) -> A
     return function(*args)
 
 
-def _rebuild_njt(arguments: Any) -> torch.Tensor:
+def _rebuild_njt(arguments: Any) -> PickledTensor:
     """torch's ``_rebuild_njt``: a jagged tensor from values and offsets, both checked."""
     if type(arguments) is not dict:
         raise VerlDumpError("nested tensor rebuilt without its arguments")
     values, offsets = arguments.get("values"), arguments.get("offsets")
     if arguments.get("lengths") is not None or arguments.get("_ragged_idx", 1) != 1:
         raise VerlDumpError("nested tensor with holes or ragged in another dim than 1")
-    if not isinstance(values, torch.Tensor) or not isinstance(offsets, torch.Tensor) or values.dim() < 1:
-        raise VerlDumpError("nested tensor without tensor values and offsets")
+    values, offsets = tensor_of(values, "nested tensor values"), tensor_of(offsets, "nested tensor offsets")
+    if values.dim() < 1:
+        raise VerlDumpError("nested tensor values without a dimension")
     if offsets.dtype != torch.int64 or offsets.dim() != 1 or len(offsets) < 2:
         raise VerlDumpError("nested tensor offsets are not a 1-d int64 tensor")
     if offsets[0] != 0 or offsets[-1] != len(values) or bool((offsets.diff() < 0).any()):
         raise VerlDumpError("nested tensor offsets do not split its values into rows")
     budget.charge(values.numel() * values.element_size(), f"a jagged {values.dtype} tensor of {len(values)} values")
-    return torch.nested.nested_tensor_from_jagged(values.clone(), offsets.clone())
+    return PickledTensor(torch.nested.nested_tensor_from_jagged(values.clone(), offsets.clone()))
 
 
 def _latin1(text: Any, encoding: Any = "latin1") -> bytes:
@@ -214,10 +222,10 @@ def _field(dump: TqDump, name: Any, value: Any) -> None:
     rows = len(dump.keys)
     if type(name) is not str:
         raise VerlDumpError(f"field {describe(name)} is not named by a string")
-    if isinstance(value, torch.Tensor):
-        if len(value) != rows:
-            raise VerlDumpError(f"field {describe(name)} has {len(value)} rows, the dump has {rows} keys")
-        dump.tensors[name] = value
+    if isinstance(value, PickledTensor):
+        if len(value.tensor) != rows:
+            raise VerlDumpError(f"field {describe(name)} has {len(value.tensor)} rows, the dump has {rows} keys")
+        dump.tensors[name] = value.tensor
     elif isinstance(value, _NonTensorData):
         dump.singles[name] = plain(_data(name, value), f"field {name!r}")
     elif isinstance(value, _NonTensorStack):

@@ -6,7 +6,9 @@ they describe. The cases the security probe reported first (issue 50) and what t
 the fix: ``object-over-bytes`` returned ``os.system`` given its address (any other address
 crashed the process); ``long-binput`` (40 bytes) took 4 GB; ``reconstruct-objects`` (103 bytes)
 5 GB and wrote a 1.6 GB entry; ``doubling`` (359 bytes) 10.8 GB and a 2.4 GB entry; ``stride-0``
-(621 bytes) 4 GB and a 2 GB entry; ``zip-size-lie`` (515 bytes) 2 GB.
+(621 bytes) 4 GB and a 2 GB entry; ``zip-size-lie`` (515 bytes) 2 GB; and, found while fixing
+those, ``build-on-tensor`` (643 bytes: ``Tensor.__setstate__`` re-pointing a rebuilt tensor) 4.1 GB
+and a 2 GB entry.
 """
 
 from __future__ import annotations
@@ -133,6 +135,20 @@ def _one_byte_tensor(numel: int, record: bytes) -> bytes:
     return F.torch_archive(F.tensor(F.storage("0", numel, "ByteStorage"), 0, (1,), (1,)), {"0": record})
 
 
+def built(ops: list, attribute: str, value: list | None = None) -> list:
+    """``ops`` followed by a BUILD setting ``attribute`` through the (dict, slots) form of its state."""
+    slots = [("EMPTY_DICT", None), ("SHORT_BINUNICODE", attribute), *(value or NONE), ("SETITEM", None)]
+    return [*ops, ("NONE", None), *slots, ("TUPLE2", None), ("BUILD", None)]
+
+
+def repointed_tensor(numel: int) -> bytes:
+    """A tensor BUILT with the state ``(itself, 0, (numel,), (0,))``: ``Tensor.__setstate__`` would
+    ``set_`` it to ``numel`` elements of stride 0 over its one-element storage, past every check."""
+    tensor = [*F.tensor(F.storage("0", 1), 0, (1,), (1,)), ("BINPUT", 0)]
+    state = [("MARK", None), ("BINGET", 0), ("BININT1", 0), *F.push((numel,)), *F.push((0,)), ("TUPLE", None)]
+    return F.batch_archive(F.tensordict({"t": [*tensor, *state, ("BUILD", None)]}, [numel]), {"0": bytes(8)})
+
+
 _FIELDS = [("NONE", None), *F.push(("a",)), ("EMPTY_DICT", None)]  # (subarray, names, fields) of a record
 _EMPTY_ARRAY = F.call(F.NUMPY, "_reconstruct", NDARRAY, F.push((0,)), [("SHORT_BINBYTES", b"b")])
 _FROMBUFFER = ("numpy._core.numeric", "_frombuffer")
@@ -152,6 +168,7 @@ CASES: dict[str, tuple[bytes, str]] = {
         "refusing numpy dtype 'V8'",
     ),
     "fields-on-a-number": (F.meta(F.scalar(F.dtype("u1", "|", extra=_FIELDS), b"\0")), "with a subarray or fields"),
+    "object-with-fields": (F.meta(F.scalar(F.dtype("O8", "|", flags=63, extra=_FIELDS), bytes(8))), "or fields"),
     "subarray": (F.meta(F.scalar(F.dtype("i8", extra=[*F.push((1, 2)), *NONE, *NONE]), bytes(8))), "a subarray"),
     "dtype-state-twice": (F.meta([*I8, *F.dtype_state(flags=63)]), "second state for numpy dtype"),
     "dtype-without-state": (F.meta(F.scalar(F.call("numpy", "dtype", F.push("i8")), bytes(8))), "before its state"),
@@ -199,6 +216,10 @@ CASES: dict[str, tuple[bytes, str]] = {
     ),
     "no-stop": (F.dataproto(F.dataproto_state(NONE, EMPTY))[:-1], "ends without pickle's STOP"),
     "not-an-opcode": (b"\x80\x04\xff.", "has no pickle opcode at byte 2"),
+    "after-stop": (
+        F.dataproto(F.dataproto_state(NONE, EMPTY)) + bytes(1 << 16),
+        r"holds 65536 bytes after its pickle's end",
+    ),
     "out-of-band-buffer": (F.dataproto(F.dataproto_state([("NEXT_BUFFER", None)], EMPTY)), "UnpicklingError"),
     "extension-code": (F.dataproto(F.dataproto_state([("EXT1", 1)], EMPTY)), "does not unpickle: ValueError"),
     # values that expand once written out (memo fan-out), contain themselves, nest, or are not plain
@@ -224,6 +245,17 @@ CASES: dict[str, tuple[bytes, str]] = {
     "size-of-strings": (F.meta(F.call("torch", "Size", F.push(["a"]))), r"torch.Size is \['a'\], not a list"),
     "size-negative": (F.meta(F.call("torch", "Size", F.push([-1]))), "not a list of at most 64 non-negative"),
     "ordered-dict-args": (F.meta(F.call("collections", "OrderedDict", F.push([(1, 2)]))), "TypeError"),
+    "scalar-of-a-name": (F.meta(F.scalar(F.push("i8"), bytes(8))), "with dtype 'i8', which is not a numpy dtype"),
+    "frombuffer-of-a-list": (
+        F.meta(F.call(*_FROMBUFFER, F.push([0] * 8), I8, F.push((1,)), F.push("C"))),
+        r"given \[0, 0, 0, 0, \.\.\.\] bytes, not 8",
+    ),
+    "reconstruct-another-class": (
+        F.meta(
+            F.call(F.NUMPY, "_reconstruct", [("GLOBAL", ("verl.protocol", "DataProto"))], F.push((0,)), F.push(b"b"))
+        ),
+        r"refusing numpy _reconstruct\(<_DataProtoState>, \(0,\), b'b'\)",
+    ),
     "dataproto-args": (
         F.assemble([("GLOBAL", ("verl.protocol", "DataProto")), *F.push((1,)), ("NEWOBJ", None), ("STOP", None)]),
         "does not unpickle: TypeError",
@@ -252,6 +284,32 @@ CASES: dict[str, tuple[bytes, str]] = {
     "leaf-past-storage": (consolidated(("torch.int64", [2], 0, 640, 0)), "does not fit bytes 0:640 of its 64-byte"),
     "leaf-beyond-slice": (consolidated(("torch.int64", [1 << 30], 0, 16, 0)), r"\(8589934592 bytes\) does not fit"),
     "leaf-dtype": (consolidated(("torch.object", [2], 0, 16, 0)), r"batch\['t'\]: bad consolidated leaf"),
+    "rebuild-v3-dtype": (
+        F.batch_archive(
+            F.call(
+                "torch._utils",
+                "_rebuild_tensor_v3",
+                F.storage("0", 1),
+                *(F.push(a) for a in (0, (1,), (1,), False)),
+                EMPTY,
+                F.push("float32"),
+            ),
+            {"0": bytes(8)},
+        ),
+        "tensor rebuilt as 'float32', which is not a torch dtype",
+    ),
+    "consolidated-metadata": (
+        F.batch_archive(
+            F.call(
+                "tensordict._reductions",
+                "_rebuild_tensordict_files_consolidated",
+                F.push([1]),
+                F.tensor(F.storage("0", 8, "ByteStorage"), 0, (8,), (1,)),
+            ),
+            {"0": bytes(8)},
+        ),
+        "consolidated TensorDict without metadata",
+    ),
     "make-td-class": (
         F.batch_archive(F.call("tensordict._reductions", "_make_td", [("GLOBAL", ("torch", "Size"))], EMPTY), {}),
         "unexpected TensorDict reduction",
@@ -267,6 +325,19 @@ CASES: dict[str, tuple[bytes, str]] = {
         F.batch_archive([*F.push("storage"), ("BINPERSID", None)], {}),
         "refusing persistent id 'storage'",
     ),
+    # BUILD on what the stand-ins hand to the pickle: none is a plain object whose attributes it sets
+    "build-on-tensor": (repointed_tensor(1 << 28), r"does not unpickle: UnpicklingError: state is not a dictionary"),
+    "build-on-tensor-slots": (
+        F.batch_archive(built(F.tensor(F.storage("0", 1), 0, (1,), (1,)), "tensor"), {"0": bytes(8)}),
+        "refusing to set 'tensor' on PickledTensor",
+    ),
+    "build-on-storage": (F.batch_archive(built(F.storage("0", 1), "data"), {"0": bytes(8)}), "'data' on _Storage"),
+    "build-on-tensordict": (
+        F.batch_archive(built(F.tensordict({}, [1]), "tensors"), {}),
+        "refusing to set 'tensors' on TensorDictData",
+    ),
+    "build-on-scalar": (F.meta(built(F.scalar(I8, bytes(8)), "value")), "refusing to set 'value' on PickledScalar"),
+    "build-on-size": (F.meta(built(F.call("torch", "Size", F.push([1])), "x")), "AttributeError"),
     "archive-empty": (in_batch(b"PK\x05\x06" + bytes(18)), r"is not a torch.save archive \(data.pkl records: \[\]\)"),
     "archive-directory-past-end": (
         in_batch(b"PK\x05\x06" + struct.pack("<4H2IH", 0, 0, 1, 1, 46, 1 << 20, 0)),

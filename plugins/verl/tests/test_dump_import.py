@@ -163,6 +163,38 @@ def test_a_bad_dump_is_reported_and_the_others_are_imported(tmp_path):
     assert not step_dir(dst, 3).exists() and not step_dir(dst, 4).exists()
 
 
+def test_each_failure_is_one_line_with_control_characters_escaped(tmp_path):
+    # a run directory whose name clears the screen and breaks the line, named again in the reason
+    src, marker = tmp_path / "src", tmp_path / "pwned"
+    evil = plant(step_dir(src, 1, run="exp\x1b[2J\n_proj"), runs_touch(marker))
+    result = CliRunner().invoke(cli, ["cache", "import-verl", str(src), str(tmp_path / "dst"), "--trust-pickle"])
+    assert result.exit_code == 1 and not marker.exists()
+    escaped = str(evil).replace("\x1b", "\\x1b").replace("\n", "\\x0a")
+    assert result.output.splitlines() == [
+        f"error: {escaped}: refusing to load global os.system from {escaped}: a verl rollout dump only references "
+        "DataProto, numpy arrays and tensordict/torch tensor rebuilds; this file was not written by verl's rollout "
+        "skip or was tampered with",
+        "1 of 1 verl dumps could not be imported",
+        f"imported 0 entries into {tmp_path / 'dst'}",
+    ]
+
+
+def test_a_dump_below_a_tree_deeper_than_the_recursion_limit_is_found(tmp_path):
+    from skip_core.files import delete_tree
+    from skiptests import deep_tree
+
+    top = deep_tree(tmp_path / "src")
+    try:
+        step = step_dir(top / "/".join(["d"] * 1_100), 1)
+        step.mkdir(parents=True)  # three levels: below the recursion limit
+        for name in ("gen_batch.dp", "meta.json"):
+            shutil.copy(step_dir(DEFAULT_DUMP, 1) / name, step / name)
+        written, output = collect(top, tmp_path / "dst")  # os.walk raised RecursionError out of the command
+        assert [p.name for p in written] == ["1"] and not written.failed, output
+    finally:  # pytest's clean-up of old temporary directories recurses
+        delete_tree(top)
+
+
 def test_a_transfer_queue_dump_that_is_no_torch_archive_is_reported(tmp_path):
     src = tmp_path / "src"
     shutil.copytree(DEFAULT_DUMP, src)
