@@ -78,9 +78,6 @@ def run(config: Any, console: Console) -> Totals:
         check_steps(settings.steps, trainer, batches=0)
     SkipManager.activate(settings.roles, settings.namespace, settings.setup)
     SkipManager.hold("skip rollout")
-    output = CacheStore(settings.output_dir, settings.namespace, "rollout") if settings.output_dir else None
-    if output is not None:
-        output.hold("skip rollout")
     spans.configure(settings.sections, worker=0)
     parts = RolloutParts.from_settings(settings)
     if settings.task.name is not None:
@@ -90,6 +87,9 @@ def run(config: Any, console: Console) -> Totals:
     loader = prompt_loader(settings, tokenizer, parts.tools)
     check_steps(settings.steps, trainer, batches=len(loader))  # before the engine loads the model
     rewarder = task_rewarder(settings, tokenizer, loader.dataset)
+    output = CacheStore(settings.output_dir, settings.namespace, "rollout") if settings.output_dir else None
+    if output is not None:  # after every check: a rollout that fails one writes nothing there
+        output.hold("skip rollout")
     loop = parts.agent_loop(settings, tokenizer)
     totals = Totals()
     start = time.perf_counter()
