@@ -27,6 +27,7 @@ from skip_core.reading import MAX_DEPTH
 from skip_plugin_verl import budget
 from skip_plugin_verl.numpy_pickle import PickledArray, PickledScalar
 from skip_plugin_verl.restricted_pickle import VerlDumpError, describe, printable
+from skip_plugin_verl.torch_archive import PickledTensor
 
 # What a value costs the store, which turns it into JSON-ready objects and then text, per
 # reference: a slot in a container and a number's text; a list's or dict's header; and the tagged
@@ -143,9 +144,7 @@ def _json_size(text: str) -> int:
 
 def _foreign(value: Any) -> str:
     """What to call a value that is not plain, in an error."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, PickledTensor):
         return "a torch tensor"
     if isinstance(value, type) or callable(value):
         return f"the global {describe(value)}"

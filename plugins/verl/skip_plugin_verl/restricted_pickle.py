@@ -196,7 +196,7 @@ class RestrictedUnpickler(pickle.Unpickler):
         self.where = where
 
     def load(self) -> Any:
-        from skip_plugin_verl.pickle_scan import check_opcodes
+        from skip_plugin_verl.pickle_scan import check_opcodes  # which raises this module's errors
 
         try:
             check_opcodes(self.data, self.where)
@@ -204,7 +204,7 @@ class RestrictedUnpickler(pickle.Unpickler):
         except (UnsafePickleError, VerlDumpError):
             raise
         except Exception as exc:  # pickle's own, and what numpy or torch raised inside a stand-in
-            raise UnsafePickleError(f"{self.where} does not unpickle: {describe_error(exc)}") from None
+            raise UnsafePickleError(f"{printable(self.where)} does not unpickle: {describe_error(exc)}") from None
 
     def find_class(self, module: str, name: str) -> Any:
         found = self.allowed.get((module, name))

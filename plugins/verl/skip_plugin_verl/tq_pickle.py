@@ -227,12 +227,12 @@ def _field(dump: TqDump, name: Any, value: Any) -> None:
             raise VerlDumpError(f"field {describe(name)} has {len(value.tensor)} rows, the dump has {rows} keys")
         dump.tensors[name] = value.tensor
     elif isinstance(value, _NonTensorData):
-        dump.singles[name] = plain(_data(name, value), f"field {name!r}")
+        dump.singles[name] = plain(_data(name, value), f"field {describe(name)}")
     elif isinstance(value, _NonTensorStack):
         items = value.state.get("tensordicts") if type(value.state) is dict else None
         if type(items) is not list or len(items) != rows or not all(isinstance(i, _NonTensorData) for i in items):
             raise VerlDumpError(f"field {describe(name)} is not a stack of {rows} non-tensor values")
-        dump.stacks[name] = plain([_data(name, item) for item in items], f"field {name!r}")
+        dump.stacks[name] = plain([_data(name, item) for item in items], f"field {describe(name)}")
     else:
         raise VerlDumpError(f"field {describe(name)} is a {type(value).__name__}, which a skip entry cannot store")
 
@@ -248,7 +248,8 @@ def read_tq_batch(path: str | os.PathLike) -> tuple[Batch, int]:
     """One ``tq_batch.pt`` as a skip ``Batch`` of trajectories (keys and tags as columns, the
     prompt of each row unknown) and the step verl recorded (``decode_tq_batch``)."""
     dump = decode_tq_batch(path)
-    batch = batch_of(dump.tensors, dump.stacks, dump.singles, dump.keys, dump.tags, [None] * len(dump.keys))
+    with reader_errors(str(path)):  # a field named as skip's own columns, fields of other lengths
+        batch = batch_of(dump.tensors, dump.stacks, dump.singles, dump.keys, dump.tags, [None] * len(dump.keys))
     return batch, dump.step
 
 

@@ -344,3 +344,93 @@ CASES: dict[str, tuple[bytes, str]] = {
         "is not a torch zip archive .*: BadZipFile",
     ),
 }
+
+
+# -- verl's V1 trainer's tq_batch.pt ----------------------------------------------------------------
+
+_NJT = "torch.nested._internal.nested_tensor"
+# The storage records of ``tq_payload``: 5 jagged values, their offsets, 2 x 4 responses (int64).
+TQ_RECORDS = {"0": bytes(40), "1": struct.pack("<3q", 0, 2, 5), "2": bytes(64)}
+_NEW_NON_TENSOR_DATA = [
+    ("GLOBAL", ("tensordict.tensorclass", "NonTensorData")),
+    ("EMPTY_TUPLE", None),
+    ("NEWOBJ", None),
+]
+
+
+def non_tensor_data(data, pushed: list | None = None) -> list:
+    """A ``NonTensorData`` holding ``data`` (or what the ops ``pushed`` push), as tensordict pickles
+    one: NEWOBJ, then BUILD with its state."""
+    value = [*F.push("data"), *(F.push(data) if pushed is None else pushed), ("SETITEM", None)]
+    state = [("EMPTY_DICT", None), *F.push("non_tensordict"), ("EMPTY_DICT", None), *value, ("SETITEM", None)]
+    return [*_NEW_NON_TENSOR_DATA, *state, ("BUILD", None)]
+
+
+def non_tensor_stack(values: list) -> list:
+    """A ``NonTensorStack`` of one ``NonTensorData`` per value, through tensordict's ``_make_td``."""
+    items = [op for value in values for op in [*non_tensor_data(value), ("APPEND", None)]]
+    state = [("EMPTY_DICT", None), ("SHORT_BINUNICODE", "tensordicts"), ("EMPTY_LIST", None), *items, ("SETITEM", None)]
+    stack = [("GLOBAL", ("tensordict.tensorclass", "NonTensorStack"))]
+    return F.call("tensordict._reductions", "_make_td", stack, state)
+
+
+def jagged(offsets_key: str = "1", rebuild: tuple[str, str] = (_NJT, "_rebuild_njt")) -> list:
+    """A jagged tensor as torch pickles one: ``_rebuild_from_type_v2(_rebuild_njt, NestedTensor, ...)``."""
+    values, offsets = F.tensor(F.storage("0", 5), 0, (5,), (1,)), F.tensor(F.storage(offsets_key, 3), 0, (3,), (1,))
+    parts = [("EMPTY_DICT", None), ("SHORT_BINUNICODE", "values"), *values, ("SETITEM", None)]
+    parts += [("SHORT_BINUNICODE", "offsets"), *offsets, ("SETITEM", None), ("TUPLE1", None)]
+    kind = [("GLOBAL", rebuild)], [("GLOBAL", (_NJT, "NestedTensor"))]
+    return F.call("torch._tensor", "_rebuild_from_type_v2", *kind, parts, [("EMPTY_DICT", None)])
+
+
+def tq_payload(fields: dict | None = None, keys: list | None = None) -> list:
+    """The ``torch.save`` payload of ``RolloutTqSkip.prepare_data`` (over ``TQ_RECORDS``): two
+    trajectories with a tensor, a jagged tensor, one text per row and one value for all; ``fields``
+    are added to (or replace) those."""
+    base = {
+        "responses": F.tensor(F.storage("2", 8), 0, (2, 4), (4, 1)),
+        "prompts": jagged(),
+        "text": non_tensor_stack(["text 0", "text 1"]),
+        "validate": non_tensor_data({"temperature": 1.0}),
+    }
+    payload = {"keys": ["k0", "k1"] if keys is None else keys, "tags": [{"status": "ok"}, {}], "global_steps": 3}
+    ops = [("EMPTY_DICT", None), ("SHORT_BINUNICODE", "tensordict"), *F.tensordict({**base, **(fields or {})}, [2])]
+    ops.append(("SETITEM", None))
+    return ops + [op for key, value in payload.items() for op in [*F.push(key), *F.push(value), ("SETITEM", None)]]
+
+
+def tq_dump(fields: dict | None = None, keys: list | None = None, records: dict | None = None) -> bytes:
+    return F.torch_archive(tq_payload(fields, keys), {**TQ_RECORDS, **(records or {})})
+
+
+TQ_CASES: dict[str, tuple[bytes, str]] = {
+    "tq-field-named-as-a-column": (
+        tq_dump({"__tq_key__": non_tensor_data(1)}),
+        "ValueError: a TransferQueue field is named '__tq_key__', which skip uses for its own column",
+    ),
+    "tq-rows": (
+        tq_dump({"responses": F.tensor(F.storage("2", 8), 0, (4, 2), (2, 1))}),
+        "field 'responses' has 4 rows, the dump has 2 keys",
+    ),
+    "tq-offsets": (tq_dump({"prompts": jagged("3")}, records={"3": struct.pack("<3q", 0, 3, 2)}), "do not split"),
+    "tq-rebuild-through": (
+        tq_dump({"prompts": jagged(rebuild=("tensordict._reductions", "_make_td"))}),
+        "unexpected tensor rebuild through <_make_td>",
+    ),
+    "tq-stack-rows": (tq_dump({"text": non_tensor_stack(["only one"])}), "is not a stack of 2 non-tensor values"),
+    "tq-keys": (tq_dump(keys=[1, 2]), "keys that are not strings"),
+    "tq-value-without-data": (
+        tq_dump({"validate": [*_NEW_NON_TENSOR_DATA, *F.push({"non_tensordict": {}}), ("BUILD", None)]}),
+        "a non-tensor value without its data",
+    ),
+    "tq-tensor-in-values": (
+        tq_dump({"validate": non_tensor_data(None, F.tensor(F.storage("2", 8), 0, (8,), (1,)))}),
+        r"field 'validate': holds a torch tensor, which a skip entry cannot store as data",
+    ),
+    "tq-not-a-dict": (F.torch_archive(F.push([1]), {}), "is not verl's rollout_tq dump"),
+    "tq-set-of-lists": (F.torch_archive(F.call("builtins", "set", F.push([[1]])), {}), "TypeError: unhashable"),
+    "tq-latin1": (
+        F.torch_archive(F.call("_codecs", "encode", F.push("x"), F.push("utf-8")), {}),
+        "unexpected bytes encoding 'utf-8'",
+    ),
+}

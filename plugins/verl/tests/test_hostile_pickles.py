@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from skip_plugin_verl.tq_pickle import _TqUnpickler, decode_tq_batch
+from skip_plugin_verl.tq_pickle import _TqUnpickler, decode_tq_batch, read_tq_batch
 from skip_plugin_verl.verl_pickle import _OuterUnpickler, read_gen_batch
 
 HERE = Path(__file__).parent
@@ -37,6 +37,11 @@ def written(tmp_path: Path, payload: bytes, name: str = "gen_batch.dp") -> Path:
 def test_a_hostile_dump_is_refused_in_one_line_of_the_readers_own(tmp_path, payload, message):
     refusal(read_gen_batch, written(tmp_path, payload), message)
     assert_plain_batch(read_gen_batch(REAL_DUMP))  # the refusal changed none of the allowed globals
+
+
+@pytest.mark.parametrize(("payload", "message"), list(H.TQ_CASES.values()), ids=list(H.TQ_CASES))
+def test_a_hostile_tq_dump_is_refused_in_one_line_of_the_readers_own(tmp_path, payload, message):
+    refusal(read_tq_batch, written(tmp_path, payload, "tq_batch.pt"), message)
 
 
 def test_an_object_array_over_the_address_of_a_function_never_returns_it(tmp_path):
@@ -109,8 +114,10 @@ def test_a_value_shared_many_times_is_charged_each_time_it_is_referenced(tmp_pat
 CHILD = """
 import json, resource, sys
 from skip_core.cli import cli
+from skip_plugin_verl.tq_pickle import read_tq_batch
 from skip_plugin_verl.verl_pickle import read_gen_batch
-read_gen_batch(sys.argv[3])  # every module and lazy import loaded: the baseline is the interpreter's
+read_gen_batch(sys.argv[3])  # every module and lazy import loaded (torch's jagged tensors: 43 MB):
+read_tq_batch(sys.argv[4])  # the baseline is the interpreter's
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 try:
     cli.main(["cache", "import-verl", sys.argv[1], sys.argv[2], "--trust-pickle"], standalone_mode=False)
@@ -123,24 +130,28 @@ print(json.dumps({"above_mb": (peak - base) / 1024, "code": code}))
 
 
 def test_hostile_imports_stay_small_print_one_line_each_and_never_crash(tmp_path):
-    """Every case through ``skip cache import-verl --trust-pickle`` in a fresh interpreter, with one
-    accepted dump that costs nearly its budget (64 KiB shared 200 times): the command exits 1 (no
-    signal killed it), prints one ``error:`` line per hostile dump and imports the last one, and
-    its peak resident memory stays within 100 MB of the interpreter's. Measured: 27 MB, the
-    accepted dump's 13 MB entry; each hostile case alone under 2 MB, against 2 to 10.8 GB before."""
+    """Every case, ``gen_batch.dp`` and ``tq_batch.pt``, through ``skip cache import-verl
+    --trust-pickle`` in a fresh interpreter, with one accepted dump that costs nearly its budget
+    (64 KiB shared 200 times): the command exits 1 (no signal killed it), prints one ``error:``
+    line per hostile dump and imports the last one, and its peak resident memory stays within
+    100 MB of the interpreter's. Measured: 30 MB, the accepted dump's 13 MB entry; each hostile
+    case alone under 1 MB, against 2 to 10.8 GB before."""
     src, dst = tmp_path / "src", tmp_path / "dst"
-    payloads = [payload for payload, _ in CASES.values()] + [F.meta(F.shared(SHARED_TEXT, 200))]
-    for step, payload in enumerate(payloads):
-        directory = src / "exp_proj" / "GBS1_N1_in1_out1" / str(step)
-        directory.mkdir(parents=True)
-        (directory / "gen_batch.dp").write_bytes(payload)
-        (directory / "meta.json").write_text(json.dumps({"global_steps": step}))
-    command = [sys.executable, "-c", CHILD, str(src), str(dst), str(REAL_DUMP)]
+    dumps = [(payload, "gen_batch.dp") for payload, _ in CASES.values()]
+    dumps += [(payload, "0/tq_batch.pt") for payload, _ in H.TQ_CASES.values()]
+    dumps.append((F.meta(F.shared(SHARED_TEXT, 200)), "gen_batch.dp"))
+    for step, (payload, name) in enumerate(dumps):
+        path = src / "exp_proj" / "GBS1_N1_in1_out1" / str(step) / name
+        path.parent.mkdir(parents=True)
+        path.write_bytes(payload)
+        (path.parent / "meta.json").write_text(json.dumps({"global_steps": step}))
+    (tmp_path / "tq_batch.pt").write_bytes(H.tq_dump())
+    command = [sys.executable, "-c", CHILD, str(src), str(dst), str(REAL_DUMP), str(tmp_path / "tq_batch.pt")]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
     result = json.loads(done.stdout.strip().splitlines()[-1])
     errors = [line for line in done.stdout.splitlines() if line.startswith("error: ")]
-    assert len(errors) == len(CASES), done.stdout[-3000:]
-    assert result["code"] == 1 and f"{len(CASES)} of {len(payloads)} verl dumps could not be imported" in done.stdout
+    assert len(errors) == len(dumps) - 1, done.stdout[-3000:]
+    assert result["code"] == 1 and f"{len(errors)} of {len(dumps)} verl dumps could not be imported" in done.stdout
     assert result["above_mb"] < 100, result
-    assert [p.parent.name for p in dst.rglob("tensors.safetensors")] == [str(len(CASES))]
+    assert [p.parent.name for p in dst.rglob("tensors.safetensors")] == [str(len(dumps) - 1)]

@@ -17,7 +17,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from skip_plugin_verl.tq_pickle import TqDump, _TqUnpickler, decode_tq_batch, read_tq_batch
@@ -178,38 +177,7 @@ def test_mutated_batch_archive(tmp_path, edits, consistent_memo):
 # -- verl's V1 trainer's tq_batch.pt -------------------------------------------------------------
 
 
-def _inert(data) -> list:
-    """A ``NonTensorData`` holding ``data``, as tensordict pickles one: NEWOBJ, then BUILD with its state."""
-    state = {"non_tensordict": {"data": data}}
-    start = [("GLOBAL", ("tensordict.tensorclass", "NonTensorData")), ("EMPTY_TUPLE", None), ("NEWOBJ", None)]
-    return [*start, *F.push(state), ("BUILD", None)]
-
-
-def tq_data_pkl() -> list:
-    """The ``torch.save`` payload of ``RolloutTqSkip.prepare_data``: two trajectories."""
-    njt = "torch.nested._internal.nested_tensor"
-    values, offsets = F.tensor(F.storage("0", 5), 0, (5,), (1,)), F.tensor(F.storage("1", 3), 0, (3,), (1,))
-    parts = [("EMPTY_DICT", None), ("SHORT_BINUNICODE", "values"), *values, ("SETITEM", None)]
-    parts += [("SHORT_BINUNICODE", "offsets"), *offsets, ("SETITEM", None), ("TUPLE1", None)]
-    jagged_type = [("GLOBAL", (njt, "_rebuild_njt"))], [("GLOBAL", (njt, "NestedTensor"))]
-    jagged = F.call("torch._tensor", "_rebuild_from_type_v2", *jagged_type, parts, [("EMPTY_DICT", None)])
-    rows = [_inert(f"text {i}") for i in (0, 1)]
-    stack = [("EMPTY_DICT", None), ("SHORT_BINUNICODE", "tensordicts"), ("EMPTY_LIST", None)]
-    stack += [op for row in rows for op in [*row, ("APPEND", None)]] + [("SETITEM", None)]
-    stack_class = [("GLOBAL", ("tensordict.tensorclass", "NonTensorStack"))]
-    fields = {
-        "responses": F.tensor(F.storage("2", 8), 0, (2, 4), (4, 1)),
-        "prompts": jagged,
-        "text": F.call("tensordict._reductions", "_make_td", stack_class, stack),
-        "validate": _inert({"temperature": 1.0}),
-    }
-    payload = {"keys": ["k0", "k1"], "tags": [{"status": "ok"}, {}], "global_steps": 3}
-    ops = [("EMPTY_DICT", None), ("SHORT_BINUNICODE", "tensordict"), *F.tensordict(fields, [2]), ("SETITEM", None)]
-    return ops + [op for key, value in payload.items() for op in [*F.push(key), *F.push(value), ("SETITEM", None)]]
-
-
-TQ_RECORDS = {"0": bytes(40), "1": torch.tensor([0, 2, 5]).numpy().tobytes(), "2": bytes(64)}
-TQ_PKL = tq_data_pkl()
+TQ_PKL, TQ_RECORDS = H.tq_payload(), H.TQ_RECORDS
 DONORS = [*(unframed(path.read_bytes()) for path in DUMPS.values()), DATA_PKL, TQ_PKL]
 
 
