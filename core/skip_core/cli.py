@@ -13,8 +13,9 @@ from rich.table import Table
 from rich.text import Text
 
 from skip_core import entries as cache_entries
-from skip_core.console import console, printable
+from skip_core.console import console
 from skip_core.errors import TRACEBACK_SWITCH, SkipError
+from skip_core.escaping import printable
 
 
 def _table(*columns: str, **options) -> Table:

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from skip_core.errors import SkipError
+from skip_core.escaping import printable
 
 #: A path written ``pkg://<package>/<file>`` names a file shipped inside an installed package.
 PACKAGED = "pkg://"
@@ -266,8 +267,6 @@ def _take(directory: Path, what: str) -> int:
         except BlockingIOError:
             holder = os.pread(fd, _MAX_HOLDER, 0).decode("utf-8", "replace").strip() or "another process"
             os.close(fd)
-            from skip_core.console import printable
-
             raise DirectoryInUse(
                 f"{directory} is in use by {printable(holder)}; wait for it to end, or give this run another directory"
             ) from None

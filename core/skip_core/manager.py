@@ -14,22 +14,19 @@ listed, costs an attribute check or two before running the function.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import contextvars
 import functools
 import inspect
 import os
-import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from pathlib import Path
 from typing import Any, TypeVar
 
 from skip_core import spans
 from skip_core.caching import SetupMismatchWarning
 from skip_core.config import ConfigError, Namespace, RoleConfig, StepSet, select
+from skip_core.dumps import Dumps
 from skip_core.entries import CorruptEntry
 from skip_core.errors import SkipError
 from skip_core.files import DirectoryInUse
@@ -39,7 +36,7 @@ from skip_core.provenance import Setup
 from skip_core.roles import Call, Role, prompts_of, prompts_position
 from skip_core.schedule import VALIDATE
 from skip_core.sections import parse_roles
-from skip_core.store import CacheStore, CacheWarning, PendingWrite
+from skip_core.store import CacheStore, CacheWarning
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -183,55 +180,7 @@ class _Slot:
         _dumps.submit(self.name, step, store.path(step), functools.partial(pm.hook.skip_dump, **kwargs), write)
 
 
-class _Dumps:
-    """Background dumps: a failure is a warning; ``flush`` waits for all started so far."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pending: set[Future] = set()
-        self._executor: ThreadPoolExecutor | None = None
-
-    def submit(self, role: str, step: int, path: Path, work: Callable[[], Any], write: PendingWrite) -> None:
-        with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="skip-dump")
-                atexit.register(self.flush)
-            # In the caller's context, so the dump's span lands in the step that produced it.
-            try:
-                future = self._executor.submit(contextvars.copy_context().run, _dump, role, step, path, work, write)
-            except RuntimeError as exc:  # the interpreter is shutting down
-                write.settle(False)
-                warnings.warn(f"skip.{role} step {step}: dump not started: {exc!r}", CacheWarning, stacklevel=3)
-                return
-            self._pending.add(future)
-        future.add_done_callback(self._done)
-
-    def _done(self, future: Future) -> None:
-        with self._lock:
-            self._pending.discard(future)
-
-    def flush(self) -> None:
-        with self._lock:
-            pending = list(self._pending)
-        wait(pending)
-
-
-def _dump(role: str, step: int, path: Path, work: Callable[[], Any], write: PendingWrite) -> None:
-    """Run one dump; a failure is a warning naming the entry (a full disk's error names no file),
-    and a miss for the lookups waiting on ``write``."""
-    ok = False
-    try:
-        with spans.span("skip_dump", role=role):
-            work()
-        ok = True
-    except Exception as exc:
-        what = f"skip.{role} step {step}: dump failed, training continues: {exc!r}"
-        warnings.warn(f"{what} (writing {path})", CacheWarning, stacklevel=1)
-    finally:
-        write.settle(ok)
-
-
-_dumps = _Dumps()
+_dumps = Dumps()
 _slots: dict[str, _Slot] = {}
 
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 from skip_core import files, writing
-from skip_core.console import printable
+from skip_core.escaping import printable
 from skiptests import assert_umask_modes
 
 

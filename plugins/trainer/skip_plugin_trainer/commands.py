@@ -10,7 +10,8 @@ from typing import Any
 
 import click
 from rich.console import Console
-from skip_core.console import console, printable
+from skip_core.console import console
+from skip_core.escaping import printable
 
 #: The package holding the shipped configs, for Hydra (``pkg://``).
 CONFIGS_PACKAGE = "skip_plugin_trainer.configs"

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from skip_core.config import ConfigError, lookup
-from skip_core.console import printable
 from skip_core.errors import SkipError
+from skip_core.escaping import printable
 
 from skip_plugin_trainer.algorithm_settings import CustomRewardFunction, OverlongBuffer, RewardConfig
 from skip_plugin_trainer.timed_calls import TimedCalls, TooManyHung

@@ -16,7 +16,9 @@ import io
 import pickletools
 import struct
 
-from skip_plugin_verl.restricted_pickle import UnsafePickleError, printable
+from skip_core.escaping import printable
+
+from skip_plugin_verl.dump_errors import UnsafePickleError
 
 # Opcodes whose argument is a length followed by that many bytes: (struct format of the length).
 _COUNTED = {

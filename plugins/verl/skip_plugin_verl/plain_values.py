@@ -22,11 +22,13 @@ from json.encoder import encode_basestring_ascii
 from typing import Any
 
 import numpy as np
+from skip_core.escaping import printable
 from skip_core.reading import MAX_DEPTH
 
 from skip_plugin_verl import budget
+from skip_plugin_verl.dump_errors import VerlDumpError
 from skip_plugin_verl.numpy_pickle import PickledArray, PickledScalar
-from skip_plugin_verl.restricted_pickle import VerlDumpError, describe, printable
+from skip_plugin_verl.restricted_pickle import describe
 from skip_plugin_verl.torch_archive import PickledTensor
 
 # What a value costs the store, which turns it into JSON-ready objects and then text, per

@@ -19,28 +19,15 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
+from skip_core.escaping import printable
 
-
-class UnsafePickleError(pickle.UnpicklingError):
-    """A pickle this importer refuses: it names a global outside the allow-list (which could run
-    code, or holds unstorable data), or it is malformed or lies about its sizes."""
-
-
-class VerlDumpError(ValueError):
-    """A dump that is not in verl's rollout-skip format or cannot be stored as a skip entry."""
-
+from skip_plugin_verl.dump_errors import UnsafePickleError, VerlDumpError
+from skip_plugin_verl.pickle_scan import check_opcodes
 
 # -- messages ----------------------------------------------------------------------------------
 
 _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 2, 60, 60, 4, 4
-
-
-def printable(text: object) -> str:
-    """``text`` on one line, control characters escaped (skip's console sanitiser)."""
-    from skip_core.console import printable as escaped  # rich only once a message is written
-
-    return escaped(text)
 
 
 def describe(value: Any) -> str:
@@ -196,8 +183,6 @@ class RestrictedUnpickler(pickle.Unpickler):
         self.where = where
 
     def load(self) -> Any:
-        from skip_plugin_verl.pickle_scan import check_opcodes  # which raises this module's errors
-
         try:
             check_opcodes(self.data, self.where)
             return super().load()

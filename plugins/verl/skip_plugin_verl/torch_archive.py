@@ -25,20 +25,19 @@ from collections.abc import Mapping
 from typing import Any, BinaryIO, ClassVar
 
 import torch
+from skip_core.escaping import printable
 
 from skip_plugin_verl.budget import charge
+from skip_plugin_verl.dump_errors import UnsafePickleError, VerlDumpError
 from skip_plugin_verl.restricted_pickle import (
     DTYPES,
     LEGACY_STORAGES,
     Marker,
     RestrictedUnpickler,
     StandIn,
-    UnsafePickleError,
-    VerlDumpError,
     describe,
     describe_error,
     ints,
-    printable,
     sealed,
 )
 

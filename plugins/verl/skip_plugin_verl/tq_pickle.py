@@ -25,21 +25,13 @@ from typing import Any, ClassVar
 import torch
 from skip_core import reading
 from skip_core.batch import Batch
+from skip_core.escaping import printable
 
 from skip_plugin_verl import budget
+from skip_plugin_verl.dump_errors import UnsafePickleError, VerlDumpError
 from skip_plugin_verl.numpy_pickle import numpy_globals
 from skip_plugin_verl.plain_values import plain
-from skip_plugin_verl.restricted_pickle import (
-    Marker,
-    StandIn,
-    UnsafePickleError,
-    VerlDumpError,
-    describe,
-    ints,
-    printable,
-    reader_errors,
-    sealed,
-)
+from skip_plugin_verl.restricted_pickle import Marker, StandIn, describe, ints, reader_errors, sealed
 from skip_plugin_verl.tensordicts import PROMPT, batch_of
 from skip_plugin_verl.torch_archive import (
     PickledTensor,

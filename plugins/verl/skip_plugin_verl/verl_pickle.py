@@ -38,14 +38,13 @@ from skip_core import reading
 from skip_core.batch import Batch
 
 from skip_plugin_verl import budget
+from skip_plugin_verl.dump_errors import UnsafePickleError, VerlDumpError
 from skip_plugin_verl.numpy_pickle import PickledArray, numpy_globals
 from skip_plugin_verl.plain_values import plain
 from skip_plugin_verl.restricted_pickle import (
     DTYPES,
     RestrictedUnpickler,
     StandIn,
-    UnsafePickleError,
-    VerlDumpError,
     describe,
     ints,
     reader_errors,
@@ -53,7 +52,7 @@ from skip_plugin_verl.restricted_pickle import (
 )
 from skip_plugin_verl.torch_archive import TensorDictData, _ordered_dict, _size, load_torch_archive
 
-__all__ = ["UnsafePickleError", "VerlDumpError", "read_gen_batch"]
+__all__ = ["read_gen_batch"]
 
 _UNSET = object()
 

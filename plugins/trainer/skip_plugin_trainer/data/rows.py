@@ -14,7 +14,7 @@ from typing import Any
 
 from skip_core import reading
 from skip_core.config import ConfigError
-from skip_core.console import printable
+from skip_core.escaping import printable
 
 SUFFIXES = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "jsonl"}
 
