@@ -13,10 +13,10 @@ import v1
 publish = skip_core.store.publish
 
 
-def publish_then_die(tmp: Path, final: Path) -> None:
+def publish_then_die(tmp: Path, final: Path, **how) -> None:
     if final.name == "2":
         os.kill(os.getpid(), signal.SIGKILL)
-    publish(tmp, final)
+    publish(tmp, final, **how)
 
 
 skip_core.store.publish = publish_then_die

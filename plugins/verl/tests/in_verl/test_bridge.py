@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 from skip_core.config import ConfigError
 from skip_core.entries import verify
+from skip_core.files import LOCK
 from skip_core.store import CacheWarning
 from verl.utils.skip import SkipManager
 
@@ -40,8 +41,9 @@ def entry(dump_dir: Path, step: int, role: str = "rollout", experiment: str = "e
 
 
 def assert_data_only(directory: Path) -> None:
-    """Every file under ``directory`` is skip's JSON or safetensors: no pickle was written."""
-    files = [path for path in directory.rglob("*") if path.is_file()]
+    """Every file under ``directory`` is skip's JSON or safetensors (beside the lock of the
+    namespace this process dumps into, held until the run ends): no pickle was written."""
+    files = [path for path in directory.rglob("*") if path.is_file() and path.name != LOCK]
     assert files
     for path in files:
         assert path.name in SKIP_FILES, path
@@ -199,7 +201,7 @@ def test_a_planted_pickle_is_never_executed_nor_deleted(tmp_path, rollout_manage
     assert (planted / "gen_batch.dp").read_bytes() == pickle_bytes
     said = " | ".join(str(w.message) for w in caught)
     assert "1 verl dump(s) in" in said and "import-verl" in said and "--role rollout" in said
-    assert "holds files skip did not write (gen_batch.dp)" in said
+    assert "holds gen_batch.dp, which skip did not write" in said
 
 
 def test_verl_async_rollout_dumps_are_pointed_at_with_the_role_to_import_them_as(tmp_path):
