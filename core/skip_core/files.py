@@ -15,6 +15,7 @@ import fcntl
 import os
 import re
 import socket
+import stat
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -262,6 +263,9 @@ def _take(directory: Path, what: str) -> int:
             raise DirectoryInUse(
                 f"{directory / LOCK} is a symbolic link; skip never locks through one: remove it"
             ) from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a pipe planted there: no holder to read from it
+            os.close(fd)
+            raise DirectoryInUse(f"{directory / LOCK} is not a regular file; remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

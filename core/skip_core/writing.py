@@ -74,7 +74,7 @@ def _refused(path: Path, parent: int, name: str) -> UnsafeDestination:
         mode = 0
     what = (
         "a symbolic link" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode)
-        else "not a regular file" if mode else "not a directory"
+        else "a file" if stat.S_ISREG(mode) else "not a regular file"
     )  # fmt: skip
     return UnsafeDestination(
         f"{path} is {what}; skip never writes through a link or over what it did not write: "

@@ -118,11 +118,22 @@ def test_one_process_may_take_its_own_lock_again(tmp_path):
         assert "(next run)" in (tmp_path / files.LOCK).read_text()
 
 
-def test_a_planted_lock_link_is_refused(tmp_path):
+def test_a_planted_lock_link_or_pipe_is_refused(tmp_path):
     os.symlink(tmp_path / "elsewhere", tmp_path / files.LOCK)
     with pytest.raises(files.DirectoryInUse, match="is a symbolic link"), files.exclusive(tmp_path, "run"):
         pass
     assert not os.path.lexists(tmp_path / "elsewhere")
+    os.unlink(tmp_path / files.LOCK)
+    os.mkfifo(tmp_path / files.LOCK)
+    with pytest.raises(files.DirectoryInUse, match="is not a regular file"), files.exclusive(tmp_path, "run"):
+        pass
+
+
+def test_a_file_where_a_directory_should_be_is_named_as_a_file(tmp_path):
+    (tmp_path / "report").write_text("mine")
+    with pytest.raises(writing.UnsafeDestination, match=r"report is a file; skip never writes"):
+        writing.write_text(tmp_path, "report/index.html", "x")
+    assert (tmp_path / "report").read_text() == "mine"
 
 
 @pytest.mark.parametrize(
