@@ -77,15 +77,15 @@ def test_core_is_small():
     # the ``meta_info`` keys the parties share and the phases a step is timed in, 3963 since a
     # stopped loop thread closes its loop, 3996 since a step directory's checks left the store
     # for a module of their own (``entries``: its docstring and imports) and every command prints
-    # to one console that never folds a line off a terminal (``console``, issue 40), 4509 since
-    # every write below an output root refuses links (``writing``), a run holds the directories
+    # to one console that never folds a line off a terminal (``console``, issue 40), 4513 since
+    # every write below an output root refuses links and pipes (``writing``), a run holds the directories
     # it writes (``files.exclusive``), deletes without recursion and only its own files
     # (``files.delete_tree``, ``entries.remove``), walks without recursion (``reading.walk``),
     # bounds what JSON and arrays cost by the bytes on disk, and escapes what it prints
     # (``escaping``), and background dumps have a module of their own (``dumps``, issue 50); a
     # bound still, so that growth is a decision.
     lines = sum(len(path.read_text().splitlines()) for path in modules("core").values())
-    assert lines <= 4509, f"skip-core has {lines} lines"
+    assert lines <= 4513, f"skip-core has {lines} lines"
 
 
 def test_core_imports_no_plugin_even_by_name():
