@@ -15,6 +15,7 @@ from pydantic import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    field_validator,
     model_validator,
 )
 
@@ -93,12 +94,69 @@ class Optim(_Section):
         return values
 
 
-class ActorConfig(_Section):
+Dtype = Literal["float32", "bfloat16"]
+#: verl's spellings of a dtype (``fp32`` is its ``model_dtype`` default, ``bfloat16`` its ``dtype``'s).
+_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+
+
+class FsdpConfig(_Section):
+    """``actor.fsdp_config`` / ``critic.fsdp_config``: the precision a model trains in, with verl's keys.
+
+    ``model_dtype``: the master weights, their gradients and AdamW's state (verl's default fp32).
+    ``dtype``: what forward and backward compute in: with several ranks FSDP2's mixed precision
+    (parameters gathered in it, gradients reduced in float32), on one rank autocast. Null: bfloat16
+    on a GPU, as verl; on the CPU ``model_dtype``, where bfloat16 is slower and only one key away.
+    """
+
+    model_dtype: Dtype = "float32"
+    dtype: Dtype | None = None
+
+    @field_validator("model_dtype", "dtype", mode="before")
+    @classmethod
+    def _spelling(cls, value: Any) -> Any:
+        if value in ("fp16", "float16"):
+            raise ValueError("float16 needs loss scaling, which skip does not do: use bfloat16 or float32")
+        return _DTYPES.get(value, value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _narrower(self) -> FsdpConfig:
+        if self.dtype == "float32" and self.model_dtype == "bfloat16":
+            raise ValueError("dtype: float32 compute over bfloat16 weights gains nothing; set model_dtype=fp32")
+        return self
+
+    def compute(self, device: str) -> str:
+        """The compute dtype on ``device`` (``dtype``, its null resolved)."""
+        return self.dtype or ("bfloat16" if device == "cuda" else self.model_dtype)
+
+
+class TokenBudgets(_Section):
+    """What actor and critic share: verl's token-budget micro-batches, and precision.
+
+    ``use_dynamic_bsz``: micro-batches packed to ``ppo_max_token_len_per_gpu`` tokens instead of
+    ``ppo_micro_batch_size`` rows. skip's forward pass computes a micro-batch's rows over their
+    longest prompt and response (padding included), so that is what a budget counts; each must
+    hold the longest sample (data.max_prompt_length + data.max_response_length), as verl asserts.
+    The loss divides by the mini-batch's totals, so the gradient does not depend on the split.
+    """
+
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: PositiveInt = 16384
+    fsdp_config: FsdpConfig = FsdpConfig()
+
+
+class ActorConfig(TokenBudgets):
     """``actor``: the PPO update, with verl's key names.
 
     ``ppo_mini_batch_size`` counts prompts per optimizer step (each with ``rollout.n``
     samples); ``ppo_micro_batch_size`` counts samples per forward/backward pass, whose
     gradients accumulate over the mini-batch.
+
+    The log-prob passes (no gradient) take ``log_prob_use_dynamic_bsz`` and
+    ``log_prob_max_token_len_per_gpu`` (verl's ``rollout.`` keys; null: the update's), the
+    reference's ``ref_log_prob_*`` (verl's ``ref.log_prob_*``; null: the log-prob pass's).
+    ``entropy_from_logits_with_chunking`` takes log-probs and entropy ``entropy_from_logits_chunk_size``
+    tokens at a time, so no [tokens x vocabulary] float32 tensor is whole; ``entropy_checkpointing``
+    recomputes each chunk in the backward pass instead of keeping it.
     """
 
     ppo_mini_batch_size: PositiveInt = 16
@@ -114,9 +172,44 @@ class ActorConfig(_Section):
     kl_loss_type: KlType = "low_var_kl"
     grad_clip: PositiveFloat | None = 1.0
     optim: Optim = Optim()
+    log_prob_use_dynamic_bsz: bool | None = None
+    log_prob_max_token_len_per_gpu: PositiveInt | None = None
+    ref_log_prob_use_dynamic_bsz: bool | None = None
+    ref_log_prob_max_token_len_per_gpu: PositiveInt | None = None
+    entropy_from_logits_with_chunking: bool = False
+    entropy_from_logits_chunk_size: PositiveInt = 2048
+    entropy_checkpointing: bool = False
+
+    def log_prob_budget(self, reference: bool = False) -> int | None:
+        """Tokens per micro-batch of a log-prob pass (the reference's with ``reference``), or None
+        for ``ppo_micro_batch_size`` rows."""
+        dynamic = _first(self.log_prob_use_dynamic_bsz, self.use_dynamic_bsz)
+        budget = _first(self.log_prob_max_token_len_per_gpu, self.ppo_max_token_len_per_gpu)
+        if reference:
+            dynamic = _first(self.ref_log_prob_use_dynamic_bsz, dynamic)
+            budget = _first(self.ref_log_prob_max_token_len_per_gpu, budget)
+        return budget if dynamic else None
+
+    def budgets(self) -> dict[str, int]:
+        """The token budgets in use, each under the key its value comes from."""
+        chain = ["ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu", "ref_log_prob_max_token_len_per_gpu"]
+        used = {chain[0]: self.ppo_max_token_len_per_gpu} if self.use_dynamic_bsz else {}
+        for reference, depth in ((False, 2), (True, 3)):
+            budget = self.log_prob_budget(reference)
+            if budget is not None:
+                used[next(key for key in reversed(chain[:depth]) if getattr(self, key) is not None)] = budget
+        return used
+
+    @property
+    def chunk(self) -> int | None:
+        return self.entropy_from_logits_chunk_size if self.entropy_from_logits_with_chunking else None
 
 
-class CriticConfig(_Section):
+def _first(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+class CriticConfig(TokenBudgets):
     """``critic``: the value model of ``algorithm.adv_estimator=gae``, with verl's key names: the
     policy's architecture with a one-output head, trained beside it on its own optimizer.
     Batch sizes count as the actor's do; ``cliprange_value`` bounds how far one update moves a
@@ -129,6 +222,22 @@ class CriticConfig(_Section):
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     grad_clip: PositiveFloat | None = 1.0
     optim: Optim = Optim()
+    ppo_max_token_len_per_gpu: PositiveInt = 32768
+    forward_max_token_len_per_gpu: PositiveInt | None = None
+    enable_gradient_checkpointing: bool = True
+
+    def values_budget(self) -> int | None:
+        if not self.use_dynamic_bsz:
+            return None
+        return _first(self.forward_max_token_len_per_gpu, self.ppo_max_token_len_per_gpu)
+
+    def budgets(self) -> dict[str, int]:
+        if not self.use_dynamic_bsz:
+            return {}
+        forward = "forward_max_token_len_per_gpu" if self.forward_max_token_len_per_gpu is not None else None
+        return {"ppo_max_token_len_per_gpu": self.ppo_max_token_len_per_gpu} | (
+            {forward: self.forward_max_token_len_per_gpu} if forward else {}
+        )
 
 
 class RolloutCorrection(_Section):

@@ -85,8 +85,11 @@ class ModelConfig(BaseModel):
 
     ``lora_rank`` > 0 trains LoRA adapters (peft) on ``target_modules`` (peft's names, or
     ``all-linear``) minus ``exclude_modules``, scaled by ``lora_alpha`` / rank, instead of every
-    weight of the policy: verl's keys and defaults. verl's other ``model`` keys are GPU tuning or
-    refused (``verl_keys``).
+    weight of the policy: verl's keys and defaults. ``enable_gradient_checkpointing`` (verl's
+    default on) recomputes each decoder layer's activations in the backward pass instead of keeping
+    them. ``attn_implementation`` (verl's ``override_config.attn_implementation``): null takes
+    ``flash_attention_2`` on a GPU where it is installed, ``sdpa`` otherwise. verl's other ``model``
+    keys are GPU tuning or refused (``verl_keys``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -95,6 +98,8 @@ class ModelConfig(BaseModel):
     lora_alpha: PositiveFloat = 16
     target_modules: str | list[StrictStr] = "all-linear"
     exclude_modules: str | list[StrictStr] | None = None
+    enable_gradient_checkpointing: StrictBool = True
+    attn_implementation: StrictStr | None = None
 
 
 class DataConfig(BaseModel):

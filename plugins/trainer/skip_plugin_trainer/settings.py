@@ -256,6 +256,13 @@ class RunSettings(RolloutSettings):
                     f"{name}.ppo_micro_batch_size: {model.ppo_micro_batch_size} samples do not divide a mini-batch "
                     f"of {model.ppo_mini_batch_size} prompts x rollout.n={n} = {model.ppo_mini_batch_size * n} samples"
                 )
+            longest = self.data.max_prompt_length + self.data.max_response_length
+            for key, budget in model.budgets().items():
+                if budget < longest:  # verl asserts it too, at the first micro-batch
+                    raise ConfigError(
+                        f"{name}.{key}: {budget} tokens cannot hold one sample of data.max_prompt_length + "
+                        f"data.max_response_length = {longest}"
+                    )
         self._check_generation_size()
         workers, generated = self.resources.rollout.workers, self.generation_batch_size
         if generated % workers:

@@ -26,24 +26,42 @@ ALIASES: dict[str, str] = {
     "actor.ppo_micro_batch_size_per_gpu": "actor.ppo_micro_batch_size",
     "critic.ppo_micro_batch_size_per_gpu": "critic.ppo_micro_batch_size",
     "critic.optim.clip_grad": "critic.grad_clip",
+    # the log-prob passes' budgets: skip's policy holds the reference, so both are actor keys
+    "rollout.log_prob_use_dynamic_bsz": "actor.log_prob_use_dynamic_bsz",
+    "rollout.log_prob_max_token_len_per_gpu": "actor.log_prob_max_token_len_per_gpu",
+    "ref.log_prob_use_dynamic_bsz": "actor.ref_log_prob_use_dynamic_bsz",
+    "ref.log_prob_max_token_len_per_gpu": "actor.ref_log_prob_max_token_len_per_gpu",
+    # verl's fsdp_config copies of the actor's keys (its own yaml interpolates them)
+    "actor.fsdp_config.entropy_from_logits_with_chunking": "actor.entropy_from_logits_with_chunking",
+    "actor.fsdp_config.entropy_from_logits_chunk_size": "actor.entropy_from_logits_chunk_size",
+    "actor.fsdp_config.entropy_checkpointing": "actor.entropy_checkpointing",
+    "model.override_config.attn_implementation": "model.attn_implementation",
+    "critic.model.enable_gradient_checkpointing": "critic.enable_gradient_checkpointing",
+    "critic.model.fsdp_config": "critic.fsdp_config",
     "trainer.max_actor_ckpt_to_keep": "trainer.max_ckpt_to_keep",
     "trainer.max_critic_ckpt_to_keep": "trainer.max_ckpt_to_keep",
 }
 
 _GPU = "they tune verl's GPU parallelism, memory or speed"
+#: verl's ``fsdp_config`` keys skip has no counterpart of (its others: ``FsdpConfig``, the actor's entropy keys).
+FSDP_TUNING = [
+    "wrap_policy.*", "param_offload", "optimizer_offload", "offload_policy", "reshard_after_forward", "fsdp_size",
+    "forward_prefetch", "use_orig_params", "seed", "full_determinism", "ulysses_sequence_parallel_size",
+    "use_torch_compile", "use_no_sync_for_gradient_accumulation", "pad_to_length", "pad_to_length_bucket",
+    "forward_only", "strategy", "qat.*", "turbo_config.*",
+]  # fmt: skip
 _LOGS = "verl's own logging and files: skip logs with trainer.logger, and skip.rollout keeps every rollout"
 #: Keys (patterns over skip's paths) that change nothing computed here, and why.
 UNUSED: dict[str, str] = {
     **dict.fromkeys(
         [
-            "*_per_gpu",
-            "*.use_dynamic_bsz",
-            "*.log_prob_use_dynamic_bsz",
-            "*max_token_len*",
-            "*.fsdp_config.*",
+            "*micro_batch_size_per_gpu",
+            "reward_model.use_dynamic_bsz",
+            "reward_model.*max_token_len*",
+            *(f"*.fsdp_config.{key}" for key in FSDP_TUNING),
             "*.ulysses_sequence_parallel_size",
             "*.use_remove_padding",
-            "*.enable_gradient_checkpointing",
+            "reward_model.model.enable_gradient_checkpointing",
             "*.enable_activation_offload",
             "*.use_fused_kernels",
             "*.use_liger",
@@ -57,8 +75,6 @@ UNUSED: dict[str, str] = {
             "actor_rollout_ref.hybrid_engine",
             "ray_kwargs.*",
             "*.use_torch_compile",
-            "*.entropy_checkpointing",
-            "*.entropy_from_logits_with_chunking",
             "*.tensor_model_parallel_size",
             "*.data_parallel_size",
             "*.expert_parallel_size",
@@ -116,7 +132,6 @@ UNUSED: dict[str, str] = {
 #: Keys skip accepts only at verl's default: skip path -> (that default, what skip does instead).
 #: A tuple of defaults lists the spellings of one value.
 UNIMPLEMENTED: dict[str, tuple[Any, str]] = {
-    "actor.fsdp_config.model_dtype": (("fp32", "float32"), "skip trains in float32"),
     "model.lora_adapter_path": (None, "skip's LoRA starts from new adapters (model.lora_rank)"),
     "critic.model.lora_rank": (0, "skip's critic trains every weight (model.lora_rank is the actor's)"),
     "model.external_lib": (None, "skip imports no module a config names"),

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 def lora_policy(model_dir, rank: int = 4) -> Policy:
     config = ActorConfig(ppo_mini_batch_size=3, ppo_micro_batch_size=3, optim=Optim(lr=1e-2), use_kl_loss=True)
     lora = ModelConfig(path=str(model_dir), lora_rank=rank, lora_alpha=8)
-    return Policy(str(model_dir), config, samples_per_prompt=1, use_reference=True, lora=lora)
+    return Policy(str(model_dir), config, samples_per_prompt=1, use_reference=True, model_config=lora)
 
 
 def trained(worker: Policy, updates: int = 2):

@@ -50,7 +50,7 @@ def test_an_interpolation_of_the_shipped_config_follows_the_verl_path():
     [
         (["+critic.model.lora_rank=8"], r"^critic\.model\.lora_rank: not implemented: skip's critic trains every"),
         (["+actor_rollout_ref.model.override_config.rope_theta=1"], r"^actor_rollout_ref\.model\.override_config: not"),
-        (["+model.foo=1"], r"^model\.foo: unknown key \(allowed: exclude_modules, lora_alpha, lora_rank, path, "),
+        (["+model.foo=1"], r"^model\.foo: unknown key \(allowed: attn_implementation, enable_gradient_checkpointing, "),
         (["+data.foo=1"], r"^data\.foo: unknown key"),
         (
             ["++actor_rollout_ref.rollout.nn=3"],
@@ -82,12 +82,73 @@ def test_gpu_keys_are_accepted_with_one_warning_that_lists_them_and_change_nothi
             "actor_rollout_ref.actor.fsdp_config.param_offload=True",
             "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
             "trainer.n_gpus_per_node=8",
-            "actor_rollout_ref.actor.use_dynamic_bsz=True",
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
         )
     assert len(told) == 1
     text = str(told[0].message)
     assert "actor_rollout_ref.rollout.tensor_model_parallel_size" in text and "trainer.n_gpus_per_node" in text
     assert tuned.dump() == plain.dump()
+
+
+def test_verls_memory_and_precision_keys_are_honoured_where_skip_reads_them():
+    s = settings(
+        "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
+        "+actor_rollout_ref.actor.fsdp_config.dtype=bf16",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+        "+actor_rollout_ref.model.override_config.attn_implementation=eager",
+        "actor_rollout_ref.actor.use_dynamic_bsz=True",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=8192",
+        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=False",
+        "actor_rollout_ref.actor.entropy_from_logits_with_chunking=True",
+        "+actor_rollout_ref.actor.fsdp_config.entropy_checkpointing=True",
+        "critic.use_dynamic_bsz=True",
+        "+critic.model.enable_gradient_checkpointing=False",
+    )
+    actor = s.actor
+    assert (actor.fsdp_config.model_dtype, actor.fsdp_config.compute("cpu")) == ("float32", "bfloat16")
+    assert (s.model.enable_gradient_checkpointing, s.model.attn_implementation) == (False, "eager")
+    assert (actor.log_prob_budget(), actor.log_prob_budget(reference=True)) == (8192, None)
+    assert actor.chunk == 2048 and actor.entropy_checkpointing
+    assert s.critic.values_budget() == 32768 and not s.critic.enable_gradient_checkpointing
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("+actor_rollout_ref.actor.fsdp_config.dtype=float16", "float16 needs loss scaling"),
+        ("actor_rollout_ref.actor.fsdp_config.model_dtype=bf16", None),
+        ("+actor_rollout_ref.actor.fsdp_config.dtype=fp64", "fsdp_config.dtype"),
+    ],
+)
+def test_a_precision_skip_cannot_train_in_is_one_line(override, message):
+    if message is None:
+        assert settings(override).actor.fsdp_config.compute("cuda") == "bfloat16"
+        return
+    with pytest.raises(ConfigError, match=message) as raised:
+        settings(override)
+    assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=100"],
+         "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"),
+        (["actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
+          "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=100"],
+         "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"),
+        (["actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True",
+          "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=99"],
+         "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"),
+        (["algorithm.adv_estimator=gae", "critic.use_dynamic_bsz=True", "critic.forward_max_token_len_per_gpu=100"],
+         "critic.forward_max_token_len_per_gpu"),
+    ],
+)  # fmt: skip
+def test_a_token_budget_that_cannot_hold_one_sample_is_refused_naming_the_key_that_sets_it(overrides, key):
+    written = rf"^{re.escape(key)}( \(skip's [a-z_.]+\))?"
+    with pytest.raises(ConfigError, match=rf"{written}: \d+ tokens cannot hold one sample"):
+        settings(*overrides)
 
 
 def test_verls_renamed_keys_land_on_skips():

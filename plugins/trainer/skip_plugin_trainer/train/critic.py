@@ -12,9 +12,11 @@ from skip_core.batch import Batch
 
 from skip_plugin_trainer.algorithm_settings import CriticConfig
 from skip_plugin_trainer.train.algorithm import Totals, token_share
-from skip_plugin_trainer.train.distributed import Group
+from skip_plugin_trainer.train.distributed import Group, world
+from skip_plugin_trainer.train.micro_batches import split
 from skip_plugin_trainer.train.policy import pad_right, response_outputs
-from skip_plugin_trainer.train.trained import TrainedModel, UpdateMetrics, micro_batches, on_device
+from skip_plugin_trainer.train.precision import Precision, attention, trainable
+from skip_plugin_trainer.train.trained import TrainedModel, UpdateMetrics, on_device
 from skip_plugin_trainer.train.value import value_loss
 
 
@@ -32,6 +34,7 @@ class Critic(TrainedModel):
         total_training_steps: int | None = None,
         group: Group | None = None,
         device: str = "cpu",
+        attn_implementation: str | None = None,
     ) -> None:
         from transformers import AutoModelForTokenClassification
         from transformers.utils import logging as hf_logging
@@ -40,24 +43,32 @@ class Critic(TrainedModel):
         if threads:
             torch.set_num_threads(threads)
         torch.manual_seed(seed)  # the new head's initial weights
+        self.precision = Precision.of(config.fsdp_config, device)
+        kernel = attention(attn_implementation, device, self.precision.compute)
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # "newly initialized: score.weight" is the point: the head is new
         try:
-            model = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=torch.float32)
+            model = AutoModelForTokenClassification.from_pretrained(
+                model_path, num_labels=1, dtype=self.precision.master, attn_implementation=kernel
+            )
         finally:
             hf_logging.set_verbosity(verbosity)
-        self.model = model.eval()  # no dropout: a value is a function of the tokens alone
+        # no dropout (a value is a function of the tokens alone), checkpointing as configured
+        self.model = trainable(model, config.enable_gradient_checkpointing)
         self._setup(config, samples_per_prompt, total_training_steps, group, device)
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
         """``values``: the estimate before each response token, 0 off the response mask."""
-        micros = micro_batches(batch, self.config.ppo_micro_batch_size)
-        return Batch({"values": torch.cat([self._values(on_device(micro, self.device)) for micro in micros]).cpu()})
+        micros = split(batch, self.config.ppo_micro_batch_size, self.config.values_budget())
+        values = torch.cat([self._values(on_device(micro, self.device)) for micro in micros.micros])
+        return Batch({"values": micros.restore(values).cpu()})
 
     def _values(self, batch: Batch) -> torch.Tensor:
         width = batch.batch["responses"].shape[1]
-        values = pad_right(response_outputs(self.model, batch)[..., 0].float(), width)
+        with self.precision.autocast(self.device, sharded=world() > 1):
+            outputs = response_outputs(self.model, batch)
+        values = pad_right(outputs[..., 0].float(), width)
         return values * batch.batch["response_mask"]
 
     def _step(self, mini: Batch, totals: Totals, metrics: UpdateMetrics) -> None:

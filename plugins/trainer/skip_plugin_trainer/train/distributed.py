@@ -13,11 +13,14 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 # A collective waits this long for a rank before failing; a lost rank stops the run much sooner
 # (the driver sees its Ray actor die), so this only bounds a hang nobody noticed.
@@ -65,20 +68,32 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def shard(model: torch.nn.Module) -> torch.nn.Module:
+def shard(model: torch.nn.Module, mixed: MixedPrecisionPolicy | None = None) -> torch.nn.Module:
     """``model`` sharded with FSDP2 over the group: each decoder layer (the blocks Hugging Face
     marks ``_no_split_modules``) is one unit gathered for its forward and freed after, the root
-    holds the rest (embeddings, the tied head, the final norm). A single rank: as it is."""
+    holds the rest (embeddings, the tied head, the final norm); ``mixed``: the precision they
+    compute in (``precision.py``). A single rank: as it is."""
     if world() == 1:
         return model
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = mixed or MixedPrecisionPolicy()
     blocks = set(getattr(model, "_no_split_modules", None) or ())
     for module in model.modules():
         if type(module).__name__ in blocks:
-            fully_shard(module)
-    fully_shard(model)
+            fully_shard(module, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     return model
+
+
+def most(count: int) -> int:
+    """The largest ``count`` of any rank (a collective; ``count`` itself on a single rank)."""
+    if world() == 1:
+        return count
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    value = torch.tensor([count], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:

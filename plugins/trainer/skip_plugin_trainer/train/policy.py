@@ -19,17 +19,13 @@ from skip_plugin_trainer.algorithm_settings import ActorConfig, RolloutCorrectio
 from skip_plugin_trainer.rollout.weights import Bucket, pack, plan
 from skip_plugin_trainer.run_sections import ModelConfig
 from skip_plugin_trainer.train import lora as peft_lora
-from skip_plugin_trainer.train.algorithm import (
-    Totals,
-    agg_loss,
-    entropy_from_logits,
-    kl_penalty,
-    log_probs_from_logits,
-    policy_loss,
-)
+from skip_plugin_trainer.train.algorithm import Totals, agg_loss, kl_penalty, policy_loss
 from skip_plugin_trainer.train.correction import bypass_policy_loss
-from skip_plugin_trainer.train.distributed import Group, full, own_state, shard
-from skip_plugin_trainer.train.trained import TrainedModel, UpdateMetrics, micro_batches, on_device
+from skip_plugin_trainer.train.distributed import Group, full, own_state, shard, world
+from skip_plugin_trainer.train.logits import token_log_probs
+from skip_plugin_trainer.train.micro_batches import split
+from skip_plugin_trainer.train.precision import Precision, attention, trainable
+from skip_plugin_trainer.train.trained import TrainedModel, UpdateMetrics, on_device
 
 
 class Policy(TrainedModel):
@@ -37,7 +33,9 @@ class Policy(TrainedModel):
 
     With ``lora`` (``model.lora_rank`` > 0) the model carries peft adapters, the only weights
     trained, and the reference is the base model with the adapters off (``train/lora.py``).
-    With ``group``, one rank of the sharded policy (``train/distributed.py``).
+    With ``group``, one rank of the sharded policy (``train/distributed.py``). It trains in
+    ``actor.fsdp_config``'s precision, checkpointing per ``model`` (``train/precision.py``);
+    the reference is held in the compute dtype, in eval mode.
     """
 
     prefix = "actor"
@@ -53,7 +51,7 @@ class Policy(TrainedModel):
         seed: int = 0,
         threads: int | None = None,
         total_training_steps: int | None = None,
-        lora: ModelConfig | None = None,
+        model_config: ModelConfig | None = None,
         group: Group | None = None,
         device: str = "cpu",
     ) -> None:
@@ -66,12 +64,19 @@ class Policy(TrainedModel):
         torch.manual_seed(seed)
         # Rollout log-probs are taken at the sampling temperature; greedy rollouts sample at 1.
         self.temperature = temperature or 1.0
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-        self.lora = lora is not None and lora.lora_rank > 0
+        model_config = model_config or ModelConfig()
+        self.precision = Precision.of(config.fsdp_config, device)
+        kernel = attention(model_config.attn_implementation, device, self.precision.compute)
+        dtype = self.precision.master
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=kernel)
+        self.model = trainable(model, model_config.enable_gradient_checkpointing)
+        self.lora = model_config.lora_rank > 0
         if self.lora:
-            self.model = peft_lora.with_adapters(self.model, lora)
+            self.model = peft_lora.with_adapters(self.model, model_config)
         self.use_reference = use_reference
-        reference = copy.deepcopy(self.model).requires_grad_(False) if use_reference and not self.lora else None
+        reference = None
+        if use_reference and not self.lora:
+            reference = copy.deepcopy(self.model).requires_grad_(False).to(self.precision.compute).eval()
         self._setup(config, samples_per_prompt, total_training_steps, group, device)
         self.reference = shard(reference.to(self.device)) if reference is not None else None
         self._published: dict[str, torch.Tensor] = {}  # the weights being synced, by ``publish_weights``
@@ -82,19 +87,19 @@ class Policy(TrainedModel):
     @torch.no_grad()
     def compute_log_prob(self, batch: Batch) -> Batch:
         """``old_log_probs`` and per-token ``entropys`` under the current weights."""
-        micros = micro_batches(batch, self.config.ppo_micro_batch_size)
-        parts = [self._forward(self.model, micro) for micro in micros]
-        log_probs, entropys = (torch.cat([part[i] for part in parts]).cpu() for i in (0, 1))
+        micros = split(batch, self.config.ppo_micro_batch_size, self.config.log_prob_budget())
+        parts = [self._forward(self.model, micro) for micro in micros.micros]
+        log_probs, entropys = (micros.restore(torch.cat([part[i] for part in parts])).cpu() for i in (0, 1))
         return Batch({"old_log_probs": log_probs, "entropys": entropys})
 
     @torch.no_grad()
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         if not self.use_reference:
             raise RuntimeError("the policy was built without a reference model (no KL is configured)")
-        micros = micro_batches(batch, self.config.ppo_micro_batch_size)
+        micros = split(batch, self.config.ppo_micro_batch_size, self.config.log_prob_budget(reference=True))
         with peft_lora.base_only(self.model) if self.lora else contextlib.nullcontext(self.reference) as reference:
-            parts = [self._forward(reference, micro, entropy=False)[0] for micro in micros]
-        return Batch({"ref_log_prob": torch.cat(parts).cpu()})
+            parts = [self._forward(reference, micro, entropy=False)[0] for micro in micros.micros]
+        return Batch({"ref_log_prob": micros.restore(torch.cat(parts)).cpu()})
 
     def publish_weights(self, megabytes: float, keep: bool) -> int:
         """Make the current weights the ones ``weight_bucket`` sends, in buckets of ``megabytes``;
@@ -124,9 +129,17 @@ class Policy(TrainedModel):
         """Response log-probs (and entropies), right-padded to the response width."""
         batch = on_device(batch, self.device)
         width = batch.batch["responses"].shape[1]
-        logits = response_outputs(model, batch).float() / self.temperature
-        log_probs = pad_right(log_probs_from_logits(logits, batch.batch["responses"][:, : logits.shape[1]]), width)
-        return log_probs, pad_right(entropy_from_logits(logits), width) if entropy else None
+        with self.precision.autocast(self.device, sharded=world() > 1):
+            logits = response_outputs(model, batch)
+        log_probs, entropys = token_log_probs(
+            logits,
+            batch.batch["responses"][:, : logits.shape[1]],
+            temperature=self.temperature,
+            entropy=entropy,
+            chunk=self.config.chunk,
+            recompute=self.config.entropy_checkpointing,
+        )
+        return pad_right(log_probs, width), pad_right(entropys, width) if entropys is not None else None
 
     def _step(self, mini: Batch, totals: Totals, metrics: UpdateMetrics) -> None:
         cfg = self.config

@@ -24,6 +24,8 @@ from skip_plugin_trainer.actors import Located
 from skip_plugin_trainer.train import lr_schedule, shards
 from skip_plugin_trainer.train.algorithm import Totals
 from skip_plugin_trainer.train.distributed import Group, as_float, join, rank, shard, world
+from skip_plugin_trainer.train.micro_batches import split
+from skip_plugin_trainer.train.precision import Precision
 
 
 @dataclass
@@ -49,9 +51,10 @@ class UpdateMetrics:
 
 
 class TrainedModel(Located):
-    """A subclass builds ``self.model`` and calls ``_setup``; it implements ``_step``."""
+    """A subclass builds ``self.model`` in ``self.precision`` and calls ``_setup``; it implements ``_step``."""
 
     prefix = "model"  # of its metrics: ``actor/lr``, ``critic/grad_norm``
+    precision: Precision
 
     def _setup(
         self,
@@ -61,12 +64,12 @@ class TrainedModel(Located):
         group: Group | None,
         device: str,
     ) -> None:
-        """Join the group, move the model to ``device`` and shard it, and build the optimizer
-        over what trains (after sharding: it holds the shards)."""
+        """Join the group, move the model to ``device`` and shard it (in ``self.precision``), and
+        build the optimizer over what trains (after sharding: it holds the shards)."""
         self.config, self.samples_per_prompt = config, samples_per_prompt
         self.device = torch.device(device)
         join(group, self.device)
-        self.model = shard(self.model.to(self.device))
+        self.model = shard(self.model.to(self.device), self.precision.sharding())
         optim = config.optim
         trained = [parameter for parameter in self.model.parameters() if parameter.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -105,7 +108,8 @@ class TrainedModel(Located):
         of a micro-batch on the device), then one optimizer step unless the gradient is not
         finite (one bad batch must not poison the weights); returns the gradient's norm."""
         self.optimizer.zero_grad(set_to_none=True)
-        for micro in micro_batches(mini, self.config.ppo_micro_batch_size):
+        budget = self.config.ppo_max_token_len_per_gpu if self.config.use_dynamic_bsz else None
+        for micro in split(mini, self.config.ppo_micro_batch_size, budget).micros:
             (loss(on_device(micro, self.device)) * world()).backward()  # FSDP averages over the ranks
         limit = self.config.grad_clip if self.config.grad_clip is not None else math.inf
         grad_norm = as_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit))
@@ -136,10 +140,6 @@ class TrainedModel(Located):
     @property
     def rank(self) -> int:
         return rank()
-
-
-def micro_batches(batch: Batch, size: int) -> list[Batch]:
-    return [batch[start : start + size] for start in range(0, len(batch), size)]
 
 
 def on_device(batch: Batch, device: torch.device) -> Batch:

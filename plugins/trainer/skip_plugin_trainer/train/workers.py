@@ -108,13 +108,14 @@ class Cluster:
                 share=share,
                 temperature=settings.rollout.temperature,
                 use_reference=settings.use_reference,
-                lora=settings.model,
+                model_config=settings.model,
                 **common,
             ),
             settings.actor.ppo_mini_batch_size * settings.rollout.n,
         )
         if settings.use_critic:
             path, critic = str(settings.model_path()), settings.critic
+            common["attn_implementation"] = settings.model.attn_implementation
             ranks = actor.spawn(Critic, path, critic, each=actor.ranks(), share=share, **common)
             self.critic = ModelGroup(ranks, critic.ppo_mini_batch_size * settings.rollout.n)
         # Both pools load their models side by side; the first step's timing is then the step's.

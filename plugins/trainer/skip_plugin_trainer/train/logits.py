@@ -1,0 +1,49 @@
+"""Log-probs and entropy of response tokens from the model's logits, optionally a chunk of tokens
+at a time (verl's ``entropy_from_logits_with_chunking``).
+
+The logits come in the compute dtype. Whole, their float32 copy at the sampling temperature and
+the softmax behind the entropy are each [tokens x vocabulary]: at 8k tokens and a 152k vocabulary
+5 GB apiece. Chunked, only one chunk's float32 copies exist at a time in a no-gradient pass; with
+a gradient, ``recompute`` (verl's ``entropy_checkpointing``) recomputes each chunk in the
+backward pass instead of keeping its copies for it. The result is the same either way.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from skip_plugin_trainer.train.algorithm import entropy_from_logits, log_probs_from_logits
+
+
+def token_log_probs(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    temperature: float,
+    entropy: bool,
+    chunk: int | None = None,
+    recompute: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """``labels``' log-probs under ``logits / temperature`` (``[batch, positions]``), and the
+    entropy at each position when ``entropy``; ``chunk`` tokens at a time (None: all at once)."""
+    rows, positions, vocabulary = logits.shape
+    flat, flat_labels = logits.reshape(-1, vocabulary), labels.reshape(-1)
+    step = chunk or max(flat.shape[0], 1)
+    pieces = []
+    for start in range(0, flat.shape[0], step):
+        part = (flat[start : start + step], flat_labels[start : start + step])
+        if recompute and torch.is_grad_enabled():
+            pieces.append(checkpoint(_piece, *part, temperature, entropy, use_reentrant=False))
+        else:
+            pieces.append(_piece(*part, temperature, entropy))
+    log_probs = torch.cat([p[0] for p in pieces]).reshape(rows, positions)
+    entropys = torch.cat([p[1] for p in pieces]).reshape(rows, positions) if entropy else None
+    return log_probs, entropys
+
+
+def _piece(logits: Tensor, labels: Tensor, temperature: float, entropy: bool) -> tuple[Tensor, Tensor]:
+    scaled = logits.float() / temperature
+    log_probs = log_probs_from_logits(scaled, labels)
+    return log_probs, entropy_from_logits(scaled) if entropy else log_probs.new_empty(0)

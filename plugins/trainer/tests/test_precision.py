@@ -1,0 +1,145 @@
+"""What makes a large model fit, on the policy in-process: compute in bfloat16 over float32 master
+state, gradient checkpointing, token-budget micro-batches and chunked log-probs, each against the
+plain float32 path it must match (or stay within a stated tolerance of)."""
+
+import json
+import random
+import shutil
+from unittest import mock
+
+import pytest
+import torch
+from batches import PROMPT, RESPONSE, ROWS, padded_batch
+from skip_core.batch import Batch
+from skip_plugin_trainer.algorithm_settings import ActorConfig, FsdpConfig, Optim
+from skip_plugin_trainer.run_sections import ModelConfig
+from skip_plugin_trainer.train.logits import token_log_probs
+from skip_plugin_trainer.train.micro_batches import equalise, pack, spans, split
+from skip_plugin_trainer.train.policy import Policy
+
+# bfloat16 keeps 8 bits of mantissa: a log-prob near -6 is off by up to ~0.03 per token on this model.
+BF16_LOG_PROB_ATOL = 0.1
+
+
+def policy(model_dir, checkpointing=True, dtype=None, rows=3, **settings) -> Policy:
+    """A policy whose mini-batch is ``rows`` samples."""
+    config = ActorConfig(
+        **{"ppo_mini_batch_size": rows, "ppo_micro_batch_size": rows, "optim": Optim(lr=1e-3), **settings},
+        fsdp_config=FsdpConfig(dtype=dtype),
+    )
+    return Policy(
+        str(model_dir),
+        config,
+        samples_per_prompt=1,
+        temperature=0.7,
+        model_config=ModelConfig(enable_gradient_checkpointing=checkpointing),
+    )
+
+
+def ragged_rows(count: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    rng = random.Random(seed)
+
+    def tokens(most: int) -> list[int]:
+        return [rng.randrange(5, 500) for _ in range(rng.randint(1, most))]
+
+    return [(tokens(PROMPT), tokens(RESPONSE)) for _ in range(count)]
+
+
+def training_batch(worker: Policy, rows) -> Batch:
+    batch = padded_batch(rows)
+    batch.batch["old_log_probs"] = worker.compute_log_prob(batch).batch["old_log_probs"]
+    advantages = torch.linspace(-1, 1, len(rows))
+    batch.batch["advantages"] = advantages[:, None] * batch.batch["response_mask"]
+    return batch
+
+
+def test_chunked_log_probs_and_entropy_equal_the_whole_with_and_without_a_gradient():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 11, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 11, (3, 5))
+    whole = token_log_probs(logits, labels, temperature=0.7, entropy=True)
+    (expected,) = torch.autograd.grad((whole[0] + whole[1]).sum(), logits)
+    for chunk, recompute in [(4, False), (4, True), (1, True), (100, False)]:
+        part = token_log_probs(logits, labels, temperature=0.7, entropy=True, chunk=chunk, recompute=recompute)
+        assert torch.equal(part[0], whole[0]) and torch.equal(part[1], whole[1])
+        (gradient,) = torch.autograd.grad((part[0] + part[1]).sum(), logits)
+        assert torch.equal(gradient, expected)
+    assert whole[0].dtype == torch.float32  # the float32 copy is per chunk, not of the compute dtype
+
+
+def test_train_mode_with_dropout_zeroed_changes_no_log_prob(tiny_model_dir, tmp_path):
+    """A model whose config asks for attention dropout trains in train mode (checkpointing needs
+    it) with every dropout at 0: its log-probs are those of eval mode, call after call."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.5}))
+    worker = policy(model_dir)
+    batch = padded_batch(ROWS)
+    assert worker.model.training
+    trained_mode = worker.compute_log_prob(batch).batch["old_log_probs"]
+    worker.model.eval()
+    assert torch.equal(worker.compute_log_prob(batch).batch["old_log_probs"], trained_mode)
+
+
+def test_gradient_checkpointing_recomputes_each_layer_and_changes_no_gradient(tiny_model_dir):
+    runs = {}
+    for checkpointing in (False, True):
+        worker = policy(tiny_model_dir, checkpointing=checkpointing)
+        batch = training_batch(worker, ROWS)
+        mlp = worker.model.model.layers[0].mlp
+        with mock.patch.object(mlp, "forward", wraps=mlp.forward) as forward:  # a recomputation fires no hooks
+            worker.update(batch)
+        runs[checkpointing] = (forward.call_count, [p.grad.clone() for p in worker.model.parameters()])
+    assert runs[False][0] == 1 and runs[True][0] == 2  # the update's forward, and its recomputation
+    for plain, recomputed in zip(runs[False][1], runs[True][1], strict=True):
+        assert torch.equal(plain, recomputed)
+
+
+def test_bfloat16_compute_keeps_float32_weights_gradients_and_adam_state_within_tolerance(tiny_model_dir):
+    full, mixed = policy(tiny_model_dir), policy(tiny_model_dir, dtype="bfloat16")
+    batch = padded_batch(ROWS)
+    expected = full.compute_log_prob(batch).batch["old_log_probs"]
+    got = mixed.compute_log_prob(batch).batch["old_log_probs"]
+    mask = batch.batch["response_mask"].bool()
+    assert got.dtype == torch.float32 and not torch.equal(got[mask], expected[mask])  # it computed in bf16
+    assert torch.allclose(got[mask], expected[mask], atol=BF16_LOG_PROB_ATOL)
+    metrics = {name: worker.update(training_batch(worker, ROWS)) for name, worker in (("full", full), ("mixed", mixed))}
+    assert metrics["mixed"]["actor/pg_loss"] == pytest.approx(metrics["full"]["actor/pg_loss"], abs=0.02)
+    assert metrics["mixed"]["actor/grad_norm"] == pytest.approx(metrics["full"]["actor/grad_norm"], rel=0.1)
+    for parameter in mixed.model.parameters():
+        assert parameter.dtype == parameter.grad.dtype == torch.float32
+        state = mixed.optimizer.state[parameter]
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
+
+
+def test_token_budget_bins_hold_every_sample_once_within_the_budget():
+    rows = ragged_rows(40)
+    batch = padded_batch(rows)
+    prompts, responses = spans(batch)
+    assert prompts == [len(p) for p, _ in rows] and responses == [len(r) for _, r in rows]
+    for budget in (22, 40, 97, 1000):
+        bins = pack(prompts, responses, budget)
+        assert sorted(row for rows_ in bins for row in rows_) == list(range(40))
+        for rows_ in bins:
+            assert len(rows_) * (max(prompts[r] for r in rows_) + max(responses[r] for r in rows_)) <= budget
+        more = equalise(bins, len(bins) + 3)
+        assert len(more) == len(bins) + 3 and sorted(r for rows_ in more for r in rows_) == list(range(40))
+    assert len(pack(prompts, responses, 1000)) == 1
+    with pytest.raises(ValueError, match="longer than the micro-batch budget of 21 tokens"):
+        pack(prompts, responses, 21)
+
+
+def test_a_token_budget_split_gives_the_row_splits_log_probs_and_gradient(tiny_model_dir):
+    rows = ragged_rows(8, seed=1)
+    by_rows = policy(tiny_model_dir, rows=8)
+    by_tokens = policy(tiny_model_dir, rows=8, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=40)
+    batch = training_batch(by_rows, rows)
+    assert len(split(batch, 8, 40).micros) > 2
+    restored = by_tokens.compute_log_prob(batch).batch["old_log_probs"]
+    mask = batch.batch["response_mask"].bool()  # past a response, each split computes other padding
+    assert torch.allclose(restored[mask], batch.batch["old_log_probs"][mask], atol=1e-5)
+    metrics = [worker.update(batch) for worker in (by_rows, by_tokens)]
+    assert metrics[0]["actor/pg_loss"] == pytest.approx(metrics[1]["actor/pg_loss"], rel=1e-5)
+    for a, b in zip(by_rows.model.parameters(), by_tokens.model.parameters(), strict=True):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-7)
