@@ -30,6 +30,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from skip_plugin_trainer.memory import Plan, Shape, estimate
 
 QWEN2_05B = {  # Qwen/Qwen2-0.5B's shape
     "vocab_size": 151936,
@@ -92,7 +93,7 @@ def peak_rss() -> int:
 def resident() -> dict[str, int]:
     """The process's resident set now and its file-backed part (pages of mapped files), in bytes."""
     fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
-    return {key: int(fields[key].split()[0]) * 1024 for key in ("VmRSS", "RssFile")}
+    return {key: int(fields[key].split()[0]) * 1024 for key in ("VmRSS", "RssFile", "VmHWM")}
 
 
 def local_bytes(tensors) -> int:
@@ -106,18 +107,21 @@ def local_bytes(tensors) -> int:
 
 
 def rank_main(rank: int, world: int, address: str, options: dict, out: str) -> None:
-    """One rank: build the ``Policy``, take log-probs of its share, update on it, report."""
+    """One rank: build the ``Policy``, take log-probs of its share, update on it twice (the
+    second update's peak is the steady one: AdamW's state exists), report."""
     import torch
-    from skip_plugin_trainer.algorithm_settings import ActorConfig, Optim
+    from skip_plugin_trainer.algorithm_settings import ActorConfig, FsdpConfig, Optim
+    from skip_plugin_trainer.run_sections import ModelConfig
     from skip_plugin_trainer.train.distributed import Group
     from skip_plugin_trainer.train.model_group import update_shares
     from skip_plugin_trainer.train.policy import Policy
 
-    before = peak_rss()
+    before, before_rss = peak_rss(), resident()["VmRSS"]
     config = ActorConfig(
         ppo_mini_batch_size=options["samples"],  # one optimizer step over the whole batch
         ppo_micro_batch_size=options["micro"],
         optim=Optim(lr=1e-5),
+        fsdp_config=FsdpConfig(dtype=options["dtype"]),
     )
     group = Group(rank, world, address) if world > 1 else None
     policy = Policy(
@@ -127,11 +131,14 @@ def rank_main(rank: int, world: int, address: str, options: dict, out: str) -> N
         threads=max(1, options["cpus"] // world),
         group=group,
         device="cpu",
+        model_config=ModelConfig(enable_gradient_checkpointing=options["checkpointing"]),
     )
     built, built_file = peak_rss(), resident()["RssFile"]
     batch = synthetic_batch(options["samples"], options["prompt"], options["response"], QWEN2_05B["vocab_size"])
     share = update_shares(batch, options["samples"], world)[rank]
     share.batch["old_log_probs"] = policy.compute_log_prob(share).batch["old_log_probs"]
+    policy.update_share(share)
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM: the next peak is the second update's
     start = time.perf_counter()
     metrics = policy.update_share(share)
     seconds = time.perf_counter() - start
@@ -150,6 +157,7 @@ def rank_main(rank: int, world: int, address: str, options: dict, out: str) -> N
         "now": now["VmRSS"],
         "now_file": now["RssFile"],
         "update_s": seconds,
+        "update_peak": resident()["VmHWM"] - before_rss,
         "grad_norm": metrics.means["actor/grad_norm"][0],
     }
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
@@ -181,6 +189,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=64, help="prompt width (tokens)")
     parser.add_argument("--response", type=int, default=64, help="response width (tokens)")
     parser.add_argument("--micro", type=int, default=2, help="samples per forward/backward (ppo_micro_batch_size)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype")
+    parser.add_argument("--checkpointing", action="store_true", help="model.enable_gradient_checkpointing")
     parser.add_argument(
         "--mmap-threshold",
         type=int,
@@ -207,20 +217,39 @@ def main() -> None:
             "response": args.response,
             "micro": args.micro,
             "cpus": os.cpu_count() or 1,
+            "dtype": args.dtype,
+            "checkpointing": args.checkpointing,
         }
         results = {world: run(world, options, Path(tmp)) for world in args.workers}
+        shape = Shape.read(model)
+    estimates = {
+        world: sum(
+            estimate(
+                shape,
+                Plan(
+                    ranks=world, master="float32", compute=args.dtype, trainable=True, reference=False,
+                    checkpointing=args.checkpointing, tokens=args.micro * (args.prompt + args.response),
+                    responses=args.micro * args.response, chunk=None, entropy=False,
+                ),
+            ).values()
+        )
+        for world in args.workers
+    }  # fmt: skip
 
     base = results[args.workers[0]][0]
     base_state = base["params"] + base["grads"] + base["optimizer"]
     malloc = f", MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold is not None else ""
     table = Table(
-        title=f"Policy sharded with FSDP2, per rank: Qwen2-0.5B shape, {args.layers} layers, float32, "
+        title=f"Policy sharded with FSDP2, per rank: Qwen2-0.5B shape, {args.layers} layers, float32 weights, "
+        f"{args.dtype} compute, checkpointing {'on' if args.checkpointing else 'off'}, "
         f"{args.samples} x ({args.prompt} + {args.response}) tokens, micro-batch {args.micro}{malloc}"
     )
     first = args.workers[0]
     columns = ("N", "rank", "params MiB", "grads MiB", "optimizer MiB", "state MiB", f"state / N={first}")
     columns += ("RSS before model MiB", "peak RSS built MiB (file-backed now)", "peak RSS MiB", f"peak RSS / N={first}")
-    for column in (*columns, "RSS after MiB (file-backed)", "update s", "grad norm"):
+    columns += ("RSS after MiB (file-backed)", "update s", "grad norm")
+    columns += ("update peak MiB", "estimate MiB", "estimate / peak")
+    for column in columns:
         table.add_column(column, justify="right")
     for world, ranks in results.items():
         for rank, r in enumerate(ranks):
@@ -238,6 +267,9 @@ def main() -> None:
                 f"{r['now'] / MIB:,.0f} ({r['now_file'] / MIB:,.0f})",
                 f"{r['update_s']:.1f}",
                 f"{r['grad_norm']:.4g}",
+                f"{r['update_peak'] / MIB:,.0f}",
+                f"{estimates[world] / MIB:,.0f}",
+                f"{estimates[world] / r['update_peak']:.2f}",
             )
     Console(width=240).print(table)
 

@@ -99,6 +99,9 @@ Dtype = Literal["float32", "bfloat16"]
 _DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
 
+OFFLOAD_KEYS = ("param_offload", "optimizer_offload", "offload_policy")
+
+
 class FsdpConfig(_Section):
     """``actor.fsdp_config`` / ``critic.fsdp_config``: the precision a model trains in, with verl's keys.
 
@@ -106,10 +109,16 @@ class FsdpConfig(_Section):
     ``dtype``: what forward and backward compute in: with several ranks FSDP2's mixed precision
     (parameters gathered in it, gradients reduced in float32), on one rank autocast. Null: bfloat16
     on a GPU, as verl; on the CPU ``model_dtype``, where bfloat16 is slower and only one key away.
+    ``param_offload`` / ``optimizer_offload``: the weights (with gradients) / AdamW's state wait in
+    host memory between the calls that use them; ``offload_policy``: FSDP2's own offload, the
+    shards on the host and each unit copied to the GPU for its pass (``train/offload.py``).
     """
 
     model_dtype: Dtype = "float32"
     dtype: Dtype | None = None
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    offload_policy: bool = False
 
     @field_validator("model_dtype", "dtype", mode="before")
     @classmethod
@@ -129,31 +138,23 @@ class FsdpConfig(_Section):
         return self.dtype or ("bfloat16" if device == "cuda" else self.model_dtype)
 
 
-class TokenBudgets(_Section):
-    """What actor and critic share: verl's token-budget micro-batches, and precision.
-
-    ``use_dynamic_bsz``: micro-batches packed to ``ppo_max_token_len_per_gpu`` tokens instead of
-    ``ppo_micro_batch_size`` rows. skip's forward pass computes a micro-batch's rows over their
-    longest prompt and response (padding included), so that is what a budget counts; each must
-    hold the longest sample (data.max_prompt_length + data.max_response_length), as verl asserts.
-    The loss divides by the mini-batch's totals, so the gradient does not depend on the split.
-    """
-
-    use_dynamic_bsz: bool = False
-    ppo_max_token_len_per_gpu: PositiveInt = 16384
-    fsdp_config: FsdpConfig = FsdpConfig()
-
-
-class ActorConfig(TokenBudgets):
+class ActorConfig(_Section):
     """``actor``: the PPO update, with verl's key names.
 
     ``ppo_mini_batch_size`` counts prompts per optimizer step (each with ``rollout.n``
     samples); ``ppo_micro_batch_size`` counts samples per forward/backward pass, whose
     gradients accumulate over the mini-batch.
 
+    ``use_dynamic_bsz``: micro-batches packed to ``ppo_max_token_len_per_gpu`` tokens instead of
+    ``ppo_micro_batch_size`` rows. skip's forward pass computes a micro-batch's rows over their
+    longest prompt and response (padding included), so that is what a budget counts; each must
+    hold the longest sample (data.max_prompt_length + data.max_response_length), as verl asserts.
+    The loss divides by the mini-batch's totals, so the gradient does not depend on the split.
     The log-prob passes (no gradient) take ``log_prob_use_dynamic_bsz`` and
     ``log_prob_max_token_len_per_gpu`` (verl's ``rollout.`` keys; null: the update's), the
-    reference's ``ref_log_prob_*`` (verl's ``ref.log_prob_*``; null: the log-prob pass's).
+    reference's ``ref_log_prob_*`` (verl's ``ref.log_prob_*``; null: the log-prob pass's);
+    ``ref_param_offload`` (verl's ``ref.fsdp_config.param_offload``) keeps the reference in host
+    memory but while it computes.
     ``entropy_from_logits_with_chunking`` takes log-probs and entropy ``entropy_from_logits_chunk_size``
     tokens at a time, so no [tokens x vocabulary] float32 tensor is whole; ``entropy_checkpointing``
     recomputes each chunk in the backward pass instead of keeping it.
@@ -172,10 +173,14 @@ class ActorConfig(TokenBudgets):
     kl_loss_type: KlType = "low_var_kl"
     grad_clip: PositiveFloat | None = 1.0
     optim: Optim = Optim()
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: PositiveInt = 16384
+    fsdp_config: FsdpConfig = FsdpConfig()
     log_prob_use_dynamic_bsz: bool | None = None
     log_prob_max_token_len_per_gpu: PositiveInt | None = None
     ref_log_prob_use_dynamic_bsz: bool | None = None
     ref_log_prob_max_token_len_per_gpu: PositiveInt | None = None
+    ref_param_offload: bool = False
     entropy_from_logits_with_chunking: bool = False
     entropy_from_logits_chunk_size: PositiveInt = 2048
     entropy_checkpointing: bool = False
@@ -209,7 +214,7 @@ def _first(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-class CriticConfig(TokenBudgets):
+class CriticConfig(_Section):
     """``critic``: the value model of ``algorithm.adv_estimator=gae``, with verl's key names: the
     policy's architecture with a one-output head, trained beside it on its own optimizer.
     Batch sizes count as the actor's do; ``cliprange_value`` bounds how far one update moves a
@@ -222,8 +227,10 @@ class CriticConfig(TokenBudgets):
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     grad_clip: PositiveFloat | None = 1.0
     optim: Optim = Optim()
+    use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: PositiveInt = 32768
     forward_max_token_len_per_gpu: PositiveInt | None = None
+    fsdp_config: FsdpConfig = FsdpConfig()
     enable_gradient_checkpointing: bool = True
 
     def values_budget(self) -> int | None:

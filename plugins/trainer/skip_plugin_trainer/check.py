@@ -43,7 +43,40 @@ def check(config: Any, console: Console, command: str) -> RolloutSettings:
         tokenizer = load_tokenizer(settings)
         task_rewarder(settings, tokenizer, prompt_loader(settings, tokenizer, parts.tools).dataset)
     console.print(yaml.safe_dump(settings.dump(), sort_keys=False).rstrip(), soft_wrap=True, markup=False)
+    if isinstance(settings, RunSettings) and not missing:
+        _print_memory(settings, console)
     return settings
+
+
+def _print_memory(settings: RunSettings, console: Console) -> None:
+    """The estimated memory per actor rank (``memory.py``), or why there is none."""
+    from rich.table import Table
+
+    from skip_plugin_trainer.memory import gib, summary
+
+    where = "GPU" if settings.device == "cuda" else "CPU rank"
+    try:
+        estimate = summary(settings)
+    except (ValueError, OSError) as exc:  # a model the estimate does not know: the run does not need it
+        console.print(f"# memory per {where}: not estimated: {exc}")
+        return
+    view = Table(title=f"estimated peak memory per {where} (GiB) in an update, before anything loads (docs/gpus.md)")
+    for header in estimate.headers:
+        view.add_column(header, justify="left" if header == "model" else "right")
+    for row in estimate.rows:
+        view.add_row(*row)
+    console.print(view)
+    for name, plan in estimate.plans.items():
+        ranks = f"{plan.ranks} rank{'s' if plan.ranks > 1 else ''}"
+        console.print(
+            f"# {name}: {ranks}, {plan.compute} compute over {plan.master} weights, checkpointing "
+            f"{'on' if plan.checkpointing else 'off'}, micro-batches of up to {plan.tokens:,} tokens"
+        )
+    if settings.resources.colocate:
+        console.print(
+            f"# colocated engines sleep during an update; while they generate, {gib(estimate.resident)} GiB of "
+            "training state stays on each device beside the engine's own share (its gpu_memory_utilization)"
+        )
 
 
 def _to_build(settings: RolloutSettings) -> list[str]:

@@ -42,6 +42,7 @@ from skip_plugin_trainer.algorithm_settings import (
     RewardConfig,
 )
 from skip_plugin_trainer.job_steps import job_steps
+from skip_plugin_trainer.memory_keys import check_budgets, check_offloads
 from skip_plugin_trainer.run_sections import (
     DataConfig,
     LoopConfig,
@@ -198,6 +199,7 @@ class RunSettings(RolloutSettings):
                 f"resources.actor.gpus_per_worker: {gpus:g} GPUs asked for an actor that trains on the CPU "
                 "(trainer.device=cpu); set trainer.device=cuda or 0 GPUs"
             )
+        check_offloads(self)
 
     def bypass_mode(self, overlapped: bool) -> bool:
         """Whether the rollout log-probs serve as PPO's old log-probs (see ``RolloutCorrection``)."""
@@ -256,13 +258,7 @@ class RunSettings(RolloutSettings):
                     f"{name}.ppo_micro_batch_size: {model.ppo_micro_batch_size} samples do not divide a mini-batch "
                     f"of {model.ppo_mini_batch_size} prompts x rollout.n={n} = {model.ppo_mini_batch_size * n} samples"
                 )
-            longest = self.data.max_prompt_length + self.data.max_response_length
-            for key, budget in model.budgets().items():
-                if budget < longest:  # verl asserts it too, at the first micro-batch
-                    raise ConfigError(
-                        f"{name}.{key}: {budget} tokens cannot hold one sample of data.max_prompt_length + "
-                        f"data.max_response_length = {longest}"
-                    )
+            check_budgets(name, model, self.data)
         self._check_generation_size()
         workers, generated = self.resources.rollout.workers, self.generation_batch_size
         if generated % workers:

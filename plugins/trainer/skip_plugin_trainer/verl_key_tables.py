@@ -31,6 +31,7 @@ ALIASES: dict[str, str] = {
     "rollout.log_prob_max_token_len_per_gpu": "actor.log_prob_max_token_len_per_gpu",
     "ref.log_prob_use_dynamic_bsz": "actor.ref_log_prob_use_dynamic_bsz",
     "ref.log_prob_max_token_len_per_gpu": "actor.ref_log_prob_max_token_len_per_gpu",
+    "ref.fsdp_config.param_offload": "actor.ref_param_offload",
     # verl's fsdp_config copies of the actor's keys (its own yaml interpolates them)
     "actor.fsdp_config.entropy_from_logits_with_chunking": "actor.entropy_from_logits_with_chunking",
     "actor.fsdp_config.entropy_from_logits_chunk_size": "actor.entropy_from_logits_chunk_size",
@@ -45,7 +46,7 @@ ALIASES: dict[str, str] = {
 _GPU = "they tune verl's GPU parallelism, memory or speed"
 #: verl's ``fsdp_config`` keys skip has no counterpart of (its others: ``FsdpConfig``, the actor's entropy keys).
 FSDP_TUNING = [
-    "wrap_policy.*", "param_offload", "optimizer_offload", "offload_policy", "reshard_after_forward", "fsdp_size",
+    "wrap_policy.*", "reshard_after_forward", "fsdp_size",
     "forward_prefetch", "use_orig_params", "seed", "full_determinism", "ulysses_sequence_parallel_size",
     "use_torch_compile", "use_no_sync_for_gradient_accumulation", "pad_to_length", "pad_to_length_bucket",
     "forward_only", "strategy", "qat.*", "turbo_config.*",

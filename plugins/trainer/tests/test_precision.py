@@ -23,15 +23,16 @@ BF16_LOG_PROB_ATOL = 0.1
 
 def policy(model_dir, checkpointing=True, dtype=None, rows=3, **settings) -> Policy:
     """A policy whose mini-batch is ``rows`` samples."""
+    settings = {"fsdp_config": FsdpConfig(dtype=dtype), **settings}
     config = ActorConfig(
-        **{"ppo_mini_batch_size": rows, "ppo_micro_batch_size": rows, "optim": Optim(lr=1e-3), **settings},
-        fsdp_config=FsdpConfig(dtype=dtype),
+        **{"ppo_mini_batch_size": rows, "ppo_micro_batch_size": rows, "optim": Optim(lr=1e-3), **settings}
     )
     return Policy(
         str(model_dir),
         config,
         samples_per_prompt=1,
         temperature=0.7,
+        use_reference=config.use_kl_loss,
         model_config=ModelConfig(enable_gradient_checkpointing=checkpointing),
     )
 
@@ -143,3 +144,32 @@ def test_a_token_budget_split_gives_the_row_splits_log_probs_and_gradient(tiny_m
     assert metrics[0]["actor/pg_loss"] == pytest.approx(metrics[1]["actor/pg_loss"], rel=1e-5)
     for a, b in zip(by_rows.model.parameters(), by_tokens.model.parameters(), strict=True):
         assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-7)
+
+
+def test_offloaded_weights_and_adam_state_go_to_the_host_after_each_call_and_change_no_update(tiny_model_dir):
+    """On this CPU host and device are one, so what is checked is the order (each call brings
+    both to the device once, nested calls included, and parks them after) and that the update
+    is the plain one; docs/gpus.md lists the GPU check."""
+    plain = policy(tiny_model_dir, use_kl_loss=True)
+    offloaded = policy(
+        tiny_model_dir,
+        use_kl_loss=True,
+        ref_param_offload=True,
+        fsdp_config=FsdpConfig(param_offload=True, optimizer_offload=True),
+    )
+    for worker in (plain, offloaded):
+        batch = training_batch(worker, ROWS)
+        batch.batch["ref_log_prob"] = worker.compute_ref_log_prob(batch).batch["ref_log_prob"]
+        worker.update(batch)
+    calls = 2  # compute_log_prob, update (its update_share nested inside)
+    assert offloaded.offload.moves == {
+        "weights to host": calls + 1,  # and once when built
+        "optimizer to host": calls + 1,
+        "weights to device": calls,
+        "optimizer to device": calls,
+    }
+    assert offloaded.reference_offload.moves == {"weights to host": 2, "weights to device": 1}
+    assert plain.offload.moves == {} and plain.reference_offload.moves == {}
+    for a, b in zip(plain.model.parameters(), offloaded.model.parameters(), strict=True):
+        assert torch.equal(a, b) and torch.equal(a.grad, b.grad) and b.device.type == "cpu"
+    assert all(v.device.type == "cpu" for state in offloaded.optimizer.state.values() for v in state.values())

@@ -79,7 +79,7 @@ def test_gpu_keys_are_accepted_with_one_warning_that_lists_them_and_change_nothi
     plain = settings()
     with pytest.warns(UnusedKeysWarning) as told:
         tuned = settings(
-            "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+            "actor_rollout_ref.actor.fsdp_config.fsdp_size=2",
             "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
             "trainer.n_gpus_per_node=8",
             "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
@@ -149,6 +149,45 @@ def test_a_token_budget_that_cannot_hold_one_sample_is_refused_naming_the_key_th
     written = rf"^{re.escape(key)}( \(skip's [a-z_.]+\))?"
     with pytest.raises(ConfigError, match=rf"{written}: \d+ tokens cannot hold one sample"):
         settings(*overrides)
+
+
+MEMORY_KEYS = (
+    "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+    "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True",
+    "actor_rollout_ref.ref.fsdp_config.param_offload=True",
+    "actor_rollout_ref.actor.use_dynamic_bsz=True",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=8192",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=16384",
+    "+actor_rollout_ref.actor.fsdp_config.dtype=bfloat16",
+    "actor_rollout_ref.actor.entropy_from_logits_with_chunking=True",
+)
+
+
+def test_on_a_gpu_no_memory_key_is_said_to_change_nothing():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        s = settings("trainer.device=cuda", "resources.actor.gpus_per_worker=1", *MEMORY_KEYS)
+    said = " ".join(str(w.message) for w in told)
+    assert not any(key.lstrip("+").split("=")[0] in said for key in MEMORY_KEYS), said
+    fsdp = s.actor.fsdp_config
+    assert fsdp.param_offload and fsdp.optimizer_offload and s.actor.ref_param_offload
+    assert fsdp.compute("cuda") == "bfloat16"
+
+
+def test_on_the_cpu_the_offload_keys_are_said_to_move_nothing_naming_the_device():
+    unused = r"fsdp_config\.param_offload, .*: unused on trainer\.device=cpu"
+    with pytest.warns(UnusedKeysWarning, match=unused) as told:
+        settings(*MEMORY_KEYS)
+    assert len(told) == 1  # the other memory keys are used on the CPU too
+
+
+def test_fsdps_offload_on_one_rank_is_refused_in_one_line():
+    refused = r"offload_policy \(skip's [a-z_.]+\): FSDP2's offload needs resources\.actor\.workers > 1"
+    with pytest.raises(ConfigError, match=refused):
+        settings("actor_rollout_ref.actor.fsdp_config.offload_policy=True")
 
 
 def test_verls_renamed_keys_land_on_skips():

@@ -14,6 +14,7 @@ from skip_plugin_trainer.algorithm_settings import CriticConfig
 from skip_plugin_trainer.train.algorithm import Totals, token_share
 from skip_plugin_trainer.train.distributed import Group, world
 from skip_plugin_trainer.train.micro_batches import split
+from skip_plugin_trainer.train.offload import resident
 from skip_plugin_trainer.train.policy import pad_right, response_outputs
 from skip_plugin_trainer.train.precision import Precision, attention, trainable
 from skip_plugin_trainer.train.trained import TrainedModel, UpdateMetrics, on_device
@@ -58,6 +59,7 @@ class Critic(TrainedModel):
         self._setup(config, samples_per_prompt, total_training_steps, group, device)
 
     @torch.no_grad()
+    @resident
     def compute_values(self, batch: Batch) -> Batch:
         """``values``: the estimate before each response token, 0 off the response mask."""
         micros = split(batch, self.config.ppo_micro_batch_size, self.config.values_budget())

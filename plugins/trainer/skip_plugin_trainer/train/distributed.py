@@ -68,21 +68,24 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def shard(model: torch.nn.Module, mixed: MixedPrecisionPolicy | None = None) -> torch.nn.Module:
+def shard(model: torch.nn.Module, mixed: MixedPrecisionPolicy | None = None, host: bool = False) -> torch.nn.Module:
     """``model`` sharded with FSDP2 over the group: each decoder layer (the blocks Hugging Face
     marks ``_no_split_modules``) is one unit gathered for its forward and freed after, the root
     holds the rest (embeddings, the tied head, the final norm); ``mixed``: the precision they
-    compute in (``precision.py``). A single rank: as it is."""
+    compute in (``precision.py``); ``host``: FSDP2's offload, the shards kept in host memory
+    (``offload.py``). A single rank: as it is."""
     if world() == 1:
         return model
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    policy = mixed or MixedPrecisionPolicy()
+    options = {"mp_policy": mixed or MixedPrecisionPolicy(), "offload_policy": OffloadPolicy()}
+    if host:
+        options["offload_policy"] = CPUOffloadPolicy()
     blocks = set(getattr(model, "_no_split_modules", None) or ())
     for module in model.modules():
         if type(module).__name__ in blocks:
-            fully_shard(module, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+            fully_shard(module, **options)
+    fully_shard(model, **options)
     return model
 
 

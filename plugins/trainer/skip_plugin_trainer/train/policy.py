@@ -7,7 +7,6 @@ logits that predict the response are the ``response_length`` positions before th
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 from typing import Any
@@ -24,6 +23,7 @@ from skip_plugin_trainer.train.correction import bypass_policy_loss
 from skip_plugin_trainer.train.distributed import Group, full, own_state, shard, world
 from skip_plugin_trainer.train.logits import token_log_probs
 from skip_plugin_trainer.train.micro_batches import split
+from skip_plugin_trainer.train.offload import Offload, resident
 from skip_plugin_trainer.train.precision import Precision, attention, trainable
 from skip_plugin_trainer.train.trained import TrainedModel, UpdateMetrics, on_device
 
@@ -79,12 +79,16 @@ class Policy(TrainedModel):
             reference = copy.deepcopy(self.model).requires_grad_(False).to(self.precision.compute).eval()
         self._setup(config, samples_per_prompt, total_training_steps, group, device)
         self.reference = shard(reference.to(self.device)) if reference is not None else None
+        self.reference_offload = Offload(self.device, weights=config.ref_param_offload, optimizer=False)
+        if self.reference is not None:
+            self.reference_offload.park(self.reference, None)
         self._published: dict[str, torch.Tensor] = {}  # the weights being synced, by ``publish_weights``
         self._buckets: list[list[str]] = []
 
     # -- what the trainer calls --------------------------------------------------------
 
     @torch.no_grad()
+    @resident
     def compute_log_prob(self, batch: Batch) -> Batch:
         """``old_log_probs`` and per-token ``entropys`` under the current weights."""
         micros = split(batch, self.config.ppo_micro_batch_size, self.config.log_prob_budget())
@@ -97,10 +101,15 @@ class Policy(TrainedModel):
         if not self.use_reference:
             raise RuntimeError("the policy was built without a reference model (no KL is configured)")
         micros = split(batch, self.config.ppo_micro_batch_size, self.config.log_prob_budget(reference=True))
-        with peft_lora.base_only(self.model) if self.lora else contextlib.nullcontext(self.reference) as reference:
-            parts = [self._forward(reference, micro, entropy=False)[0] for micro in micros.micros]
+        if self.lora:
+            with self.offload.loaded(self.model, None), peft_lora.base_only(self.model) as reference:
+                parts = [self._forward(reference, micro, entropy=False)[0] for micro in micros.micros]
+        else:
+            with self.reference_offload.loaded(self.reference, None):
+                parts = [self._forward(self.reference, micro, entropy=False)[0] for micro in micros.micros]
         return Batch({"ref_log_prob": micros.restore(torch.cat(parts)).cpu()})
 
+    @resident
     def publish_weights(self, megabytes: float, keep: bool) -> int:
         """Make the current weights the ones ``weight_bucket`` sends, in buckets of ``megabytes``;
         returns how many. ``keep`` snapshots them (each rank its shards): an overlapped schedule
@@ -112,6 +121,7 @@ class Policy(TrainedModel):
         self._buckets = plan(((name, t.numel() * t.element_size()) for name, t in tensors.items()), megabytes)
         return len(self._buckets)
 
+    @resident
     def weight_bucket(self, index: int) -> Bucket | None:
         """Bucket ``index`` of the published weights, packed for the object store. Sharded, every
         rank gathers the bucket's tensors (each whole tensor once, never the whole model) and
@@ -119,6 +129,7 @@ class Policy(TrainedModel):
         tensors = {name: full(self._published[name]).detach() for name in self._buckets[index]}
         return pack({name: tensor.cpu() for name, tensor in tensors.items()}) if self.rank == 0 else None
 
+    @resident
     def state_dict(self) -> dict[str, torch.Tensor]:
         """A copy of the weights (tied tensors under each name, as HF lists them; gathered when sharded)."""
         return {name: full(tensor).detach().cpu().clone() for name, tensor in self.model.state_dict().items()}

@@ -25,6 +25,7 @@ from skip_plugin_trainer.train import lr_schedule, shards
 from skip_plugin_trainer.train.algorithm import Totals
 from skip_plugin_trainer.train.distributed import Group, as_float, join, rank, shard, world
 from skip_plugin_trainer.train.micro_batches import split
+from skip_plugin_trainer.train.offload import Offload, resident
 from skip_plugin_trainer.train.precision import Precision
 
 
@@ -69,7 +70,8 @@ class TrainedModel(Located):
         self.config, self.samples_per_prompt = config, samples_per_prompt
         self.device = torch.device(device)
         join(group, self.device)
-        self.model = shard(self.model.to(self.device), self.precision.sharding())
+        fsdp = config.fsdp_config
+        self.model = shard(self.model.to(self.device), self.precision.sharding(), host=fsdp.offload_policy)
         optim = config.optim
         trained = [parameter for parameter in self.model.parameters() if parameter.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -77,12 +79,16 @@ class TrainedModel(Located):
         )
         self.total_training_steps = total_training_steps  # the span of a cosine decay or a warm-up ratio
         self.lr_scheduler = lr_schedule.scheduler(self.optimizer, optim, total_training_steps)
+        # FSDP2's offload keeps the shards on the host already: nothing is left to move
+        self.offload = Offload(self.device, fsdp.param_offload and not fsdp.offload_policy, fsdp.optimizer_offload)
+        self.offload.park(self.model, self.optimizer)
 
     def update(self, batch: Batch) -> dict[str, float]:
         """``ppo_epochs`` passes of optimizer steps over the mini-batches of ``batch`` (all of them,
         on a single rank) at the lr the schedule gives this update (``<prefix>/lr``)."""
         return UpdateMetrics.reduce([self.update_share(batch)])
 
+    @resident
     def update_share(self, batch: Batch) -> UpdateMetrics:
         """This rank's share of an update: its share of each mini-batch, in order; the
         mini-batches' ``totals`` come with the batch (``ModelGroup``), or are its own."""
@@ -119,16 +125,19 @@ class TrainedModel(Located):
 
     # -- checkpoints ----------------------------------------------------------------------
 
+    @resident
     def save_shards(self, directory: str) -> dict[str, Any]:
         """Write this rank's shards of the weights and optimizer state (``shards.save``)."""
         return shards.save(self.model, self.optimizer, Path(directory))
 
+    @resident
     def load_shards(self, directory: str, saved: dict[str, Any], *, updates: int) -> None:
         """Read the state ``save_shards`` wrote, with any number of ranks; the lr schedule
         continues after ``updates`` updates (``lr_schedule.scheduler``)."""
         shards.load(self.model, self.optimizer, Path(directory), saved)
         self.lr_scheduler = lr_schedule.scheduler(self.optimizer, self.config.optim, self.total_training_steps, updates)
 
+    @resident
     def load_full_state(self, model: Mapping[str, torch.Tensor], optimizer: Mapping[str, Any], *, updates: int) -> None:
         """Weights and optimizer state as one process saved them (checkpoints of format 1)."""
         if world() > 1:
