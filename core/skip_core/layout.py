@@ -20,7 +20,7 @@ from skip_core.config import Namespace
 
 Width = Literal["prompt", "response", "sequence"]
 # safetensors' dtype names, as torch names them.
-_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64",
+DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64",
            "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}  # fmt: skip
 
 
@@ -111,7 +111,7 @@ def header(path: str | os.PathLike) -> dict[str, tuple[str, tuple[int, ...]]]:
         tensors = {}
         for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
             part = f.get_slice(name)
-            tensors[name] = (_DTYPES.get(part.get_dtype(), part.get_dtype()), tuple(part.get_shape()))
+            tensors[name] = (DTYPES.get(part.get_dtype(), part.get_dtype()), tuple(part.get_shape()))
         return tensors
 
 

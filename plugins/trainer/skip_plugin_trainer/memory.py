@@ -117,6 +117,7 @@ class Plan:
     chunk: int | None
     entropy: bool
     head: bool = True  # a language-model head (the critic's has one output: no logits to speak of)
+    parked: tuple[str, ...] = ()  # the parts offloaded to the host between calls
 
 
 def estimate(shape: Shape, plan: Plan) -> dict[str, float]:
@@ -150,9 +151,19 @@ def estimate(shape: Shape, plan: Plan) -> dict[str, float]:
     return parts
 
 
-def state(parts: dict[str, float]) -> float:
-    """What stays on the device between updates: weights, gradients, AdamW, the reference."""
-    return sum(parts[key] for key in ("weights", "gradients", "AdamW", "reference"))
+STATE = ("weights", "gradients", "AdamW", "reference")
+
+
+def resident(parts: dict[str, float], plan: Plan) -> float:
+    """What stays on the device between updates (while a colocated engine generates)."""
+    return sum(parts[key] for key in STATE if key not in plan.parked)
+
+
+def parked(fsdp: Any, reference_offload: bool) -> tuple[str, ...]:
+    """The parts ``fsdp_config`` (and the reference's key) keep on the host between calls."""
+    keys = ("weights", "gradients") if fsdp.param_offload or fsdp.offload_policy else ()
+    keys += ("AdamW",) if fsdp.optimizer_offload or fsdp.offload_policy else ()
+    return keys + (("reference",) if reference_offload else ())
 
 
 def read_plans(settings: Any) -> dict[str, tuple[Shape, Plan]]:
@@ -181,6 +192,7 @@ def read_plans(settings: Any) -> dict[str, tuple[Shape, Plan]]:
                 chunk=config.chunk if actor else None,
                 entropy=actor and config.entropy_coeff != 0,
                 head=actor,
+                parked=parked(config.fsdp_config, actor and config.ref_param_offload),
             ),
         )
     return plans
@@ -205,11 +217,12 @@ def summary(settings: Any) -> Summary:
         parts[name] = estimate(shape, plan)
         rows.append([name, *(gib(value) for value in parts[name].values()), gib(sum(parts[name].values()))])
     headers = ["model", *next(iter(parts.values())), "GiB"]
-    resident = sum(state(p) for p in parts.values())
-    if len(parts) > 1:
-        peak = max(sum(p.values()) - state(p) for p in parts.values()) + resident
+    kept = sum(resident(parts[name], plans[name][1]) for name in parts)
+    if len(parts) > 1:  # both models' state, and the larger working set: they update in turn
+        state = sum(parts[name][key] for name in parts for key in STATE)
+        peak = max(sum(p.values()) - sum(p[key] for key in STATE) for p in parts.values()) + state
         rows.append(["both", *([""] * (len(headers) - 2)), gib(peak)])
-    return Summary(headers, rows, resident, {name: plan for name, (_, plan) in plans.items()})
+    return Summary(headers, rows, kept, {name: plan for name, (_, plan) in plans.items()})
 
 
 def gib(value: float) -> str:

@@ -8,6 +8,7 @@ logits that predict the response are the ``response_length`` positions before th
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from typing import Any
 
@@ -20,7 +21,8 @@ from skip_plugin_trainer.run_sections import ModelConfig
 from skip_plugin_trainer.train import lora as peft_lora
 from skip_plugin_trainer.train.algorithm import Totals, agg_loss, kl_penalty, policy_loss
 from skip_plugin_trainer.train.correction import bypass_policy_loss
-from skip_plugin_trainer.train.distributed import Group, full, own_state, shard, world
+from skip_plugin_trainer.train.distributed import Group, full, join, own_state, shard, world
+from skip_plugin_trainer.train.loading import causal_lm
 from skip_plugin_trainer.train.logits import token_log_probs
 from skip_plugin_trainer.train.micro_batches import split
 from skip_plugin_trainer.train.offload import Offload, resident
@@ -55,7 +57,6 @@ class Policy(TrainedModel):
         group: Group | None = None,
         device: str = "cpu",
     ) -> None:
-        from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # one bar per weight file, in every worker's log
@@ -65,20 +66,27 @@ class Policy(TrainedModel):
         # Rollout log-probs are taken at the sampling temperature; greedy rollouts sample at 1.
         self.temperature = temperature or 1.0
         model_config = model_config or ModelConfig()
-        self.precision = Precision.of(config.fsdp_config, device)
-        kernel = attention(model_config.attn_implementation, device, self.precision.compute)
-        dtype = self.precision.master
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=kernel)
-        self.model = trainable(model, model_config.enable_gradient_checkpointing)
+        self.precision = precision = Precision.of(config.fsdp_config, device)
+        kernel = attention(model_config.attn_implementation, device, precision.compute)
         self.lora = model_config.lora_rank > 0
+        self.use_reference = use_reference
+        sharded = group is not None and group.world > 1 and not self.lora  # each rank reads only its shards
+        if sharded:
+            join(group, torch.device(device))
+        host = config.fsdp_config.offload_policy
+        sharding = functools.partial(shard, mixed=precision.sharding(), host=host) if sharded else None
+        model = causal_lm(model_path, precision.master, kernel, device, sharding)
+        self.model = trainable(model, model_config.enable_gradient_checkpointing)
         if self.lora:
             self.model = peft_lora.with_adapters(self.model, model_config)
-        self.use_reference = use_reference
         reference = None
-        if use_reference and not self.lora:
-            reference = copy.deepcopy(self.model).requires_grad_(False).to(self.precision.compute).eval()
-        self._setup(config, samples_per_prompt, total_training_steps, group, device)
-        self.reference = shard(reference.to(self.device)) if reference is not None else None
+        if use_reference and not self.lora:  # held in the compute dtype
+            reference = causal_lm(model_path, precision.compute, kernel, device, shard) if sharded else None
+            reference = (reference or copy.deepcopy(self.model).to(precision.compute)).requires_grad_(False).eval()
+        self._setup(config, samples_per_prompt, total_training_steps, group, device, sharded=sharded)
+        if reference is not None and not sharded:
+            reference = shard(reference.to(self.device))
+        self.reference = reference
         self.reference_offload = Offload(self.device, weights=config.ref_param_offload, optimizer=False)
         if self.reference is not None:
             self.reference_offload.park(self.reference, None)

@@ -64,14 +64,17 @@ class TrainedModel(Located):
         total_training_steps: int | None,
         group: Group | None,
         device: str,
+        sharded: bool = False,
     ) -> None:
-        """Join the group, move the model to ``device`` and shard it (in ``self.precision``), and
-        build the optimizer over what trains (after sharding: it holds the shards)."""
+        """Join the group, move the model to ``device`` and shard it (in ``self.precision``; not
+        when it was built ``sharded``), and build the optimizer over what trains (after sharding:
+        it holds the shards)."""
         self.config, self.samples_per_prompt = config, samples_per_prompt
         self.device = torch.device(device)
         join(group, self.device)
         fsdp = config.fsdp_config
-        self.model = shard(self.model.to(self.device), self.precision.sharding(), host=fsdp.offload_policy)
+        if not sharded:
+            self.model = shard(self.model.to(self.device), self.precision.sharding(), host=fsdp.offload_policy)
         optim = config.optim
         trained = [parameter for parameter in self.model.parameters() if parameter.requires_grad]
         self.optimizer = torch.optim.AdamW(
