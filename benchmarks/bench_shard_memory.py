@@ -10,11 +10,16 @@ batch (verl's layout: prompts left-padded, responses right-padded), then runs on
 it (with the mini-batches' ``totals``). Each rank reports the bytes of its local tensors (a
 DTensor's ``to_local()``): parameters, gradients and AdamW state (``exp_avg``, ``exp_avg_sq``,
 ``step``); and its peak RSS (``getrusage``'s ``ru_maxrss``) before the model is built, after it
-is built (loaded whole, then sharded) and after the update. Ranks of one N run at the same time
-and share the machine's CPUs (``torch`` threads: the CPUs over N).
+is built (one rank: loaded whole; several: each reading its shards) and after the updates. It
+updates twice and also reports the second update's own peak (the kernel's high-water mark reset
+between them: AdamW's state then exists) beside ``skip run --check``'s estimate (``memory.py``),
+and each update's time beside the first variant's: the step cost of bfloat16 and checkpointing
+on this CPU. Ranks of one N run at the same time and share the machine's CPUs (``torch`` threads:
+the CPUs over N). Offload moves nothing on a CPU: it has no column here.
 
     python benchmarks/bench_shard_memory.py --layers 2
     python benchmarks/bench_shard_memory.py --workers 1 2            # the full 24 layers: ~10 GB for N=1
+    python benchmarks/bench_shard_memory.py --layers 2 --variants float32 float32+checkpointing bfloat16
 """
 
 from __future__ import annotations
@@ -43,6 +48,12 @@ QWEN2_05B = {  # Qwen/Qwen2-0.5B's shape
     "max_position_embeddings": 4096,
 }
 MIB = 1 << 20
+VARIANTS = {  # name: (fsdp_config.dtype, model.enable_gradient_checkpointing)
+    "float32": ("float32", False),
+    "float32+checkpointing": ("float32", True),
+    "bfloat16": ("bfloat16", False),
+    "bfloat16+checkpointing": ("bfloat16", True),
+}
 
 
 def build_model(rank: int, directory: str, layers: int) -> None:
@@ -189,8 +200,13 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=64, help="prompt width (tokens)")
     parser.add_argument("--response", type=int, default=64, help="response width (tokens)")
     parser.add_argument("--micro", type=int, default=2, help="samples per forward/backward (ppo_micro_batch_size)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype")
-    parser.add_argument("--checkpointing", action="store_true", help="model.enable_gradient_checkpointing")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=list(VARIANTS),
+        default=["float32", "bfloat16+checkpointing"],
+        help="compute dtype and gradient checkpointing, each measured in turn (float32 weights in all)",
+    )
     parser.add_argument(
         "--mmap-threshold",
         type=int,
@@ -217,44 +233,41 @@ def main() -> None:
             "response": args.response,
             "micro": args.micro,
             "cpus": os.cpu_count() or 1,
-            "dtype": args.dtype,
-            "checkpointing": args.checkpointing,
         }
-        results = {world: run(world, options, Path(tmp)) for world in args.workers}
-        shape = Shape.read(model)
-    estimates = {
-        world: sum(
-            estimate(
-                shape,
-                Plan(
-                    ranks=world, master="float32", compute=args.dtype, trainable=True, reference=False,
-                    checkpointing=args.checkpointing, tokens=args.micro * (args.prompt + args.response),
+        results, estimates = {}, {}
+        for variant in args.variants:
+            dtype, checkpointing = VARIANTS[variant]
+            directory = Path(tmp, variant)
+            directory.mkdir()
+            for world in args.workers:
+                measured = run(world, {**options, "dtype": dtype, "checkpointing": checkpointing}, directory)
+                results[variant, world] = measured
+                plan = Plan(
+                    ranks=world, master="float32", compute=dtype, trainable=True, reference=False,
+                    checkpointing=checkpointing, tokens=args.micro * (args.prompt + args.response),
                     responses=args.micro * args.response, chunk=None, entropy=False,
-                ),
-            ).values()
-        )
-        for world in args.workers
-    }  # fmt: skip
+                )  # fmt: skip
+                estimates[variant, world] = sum(estimate(Shape.read(model), plan).values())
 
-    base = results[args.workers[0]][0]
+    first = (args.variants[0], args.workers[0])
+    base = results[first][0]
     base_state = base["params"] + base["grads"] + base["optimizer"]
     malloc = f", MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold is not None else ""
     table = Table(
         title=f"Policy sharded with FSDP2, per rank: Qwen2-0.5B shape, {args.layers} layers, float32 weights, "
-        f"{args.dtype} compute, checkpointing {'on' if args.checkpointing else 'off'}, "
         f"{args.samples} x ({args.prompt} + {args.response}) tokens, micro-batch {args.micro}{malloc}"
     )
-    first = args.workers[0]
-    columns = ("N", "rank", "params MiB", "grads MiB", "optimizer MiB", "state MiB", f"state / N={first}")
-    columns += ("RSS before model MiB", "peak RSS built MiB (file-backed now)", "peak RSS MiB", f"peak RSS / N={first}")
-    columns += ("RSS after MiB (file-backed)", "update s", "grad norm")
+    columns = ("variant", "N", "rank", "params MiB", "grads MiB", "optimizer MiB", "state MiB", "state / first")
+    columns += ("RSS before model MiB", "peak RSS built MiB (file-backed now)", "peak RSS MiB", "peak RSS / first")
+    columns += ("RSS after MiB (file-backed)", "update s", "update s / first", "grad norm")
     columns += ("update peak MiB", "estimate MiB", "estimate / peak")
     for column in columns:
-        table.add_column(column, justify="right")
-    for world, ranks in results.items():
+        table.add_column(column, justify="left" if column == "variant" else "right")
+    for (variant, world), ranks in results.items():
         for rank, r in enumerate(ranks):
             state = r["params"] + r["grads"] + r["optimizer"]
             table.add_row(
+                variant,
                 str(world),
                 str(rank),
                 *(f"{r[key] / MIB:,.0f}" for key in ("params", "grads", "optimizer")),
@@ -266,12 +279,13 @@ def main() -> None:
                 f"{r['peak'] / base['peak']:.2f}",
                 f"{r['now'] / MIB:,.0f} ({r['now_file'] / MIB:,.0f})",
                 f"{r['update_s']:.1f}",
+                f"{r['update_s'] / base['update_s']:.2f}",
                 f"{r['grad_norm']:.4g}",
                 f"{r['update_peak'] / MIB:,.0f}",
-                f"{estimates[world] / MIB:,.0f}",
-                f"{estimates[world] / r['update_peak']:.2f}",
+                f"{estimates[variant, world] / MIB:,.0f}",
+                f"{estimates[variant, world] / r['update_peak']:.2f}",
             )
-    Console(width=240).print(table)
+    Console(width=280).print(table)
 
 
 if __name__ == "__main__":

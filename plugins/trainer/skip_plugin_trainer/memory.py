@@ -133,8 +133,9 @@ def estimate(shape: Shape, plan: Plan) -> dict[str, float]:
     mixed = plan.compute != plan.master
     if plan.ranks > 1:  # the root unit through the pass, two layer units (one prefetched), their gradients unsharded
         parts["gathered"] = shape.root_params * (c + 4) + 2 * shape.layer_params * (c + 4)
-    else:  # autocast's copies of the weights
-        parts["gathered"] = shape.params * c if mixed else 0.0
+    else:  # autocast's copies of the weights, kept for the backward pass (one layer's at a time, checkpointed)
+        copied = shape.layer_params + shape.root_params if plan.checkpointing else shape.params
+        parts["gathered"] = copied * c if mixed else 0.0
     per_layer = shape.activation_bytes(plan.compute, mixed and plan.ranks == 1) * plan.tokens
     residual = 4 if mixed and plan.ranks == 1 else c
     if plan.checkpointing:  # each layer's input, and one layer recomputed at a time

@@ -95,7 +95,7 @@ def test_check_prints_the_estimate_per_rank(task_dir):
     [
         ({"num_hidden_layers": 2}, 2, "float32", False),  # the vocabulary's parts dominate
         ({"num_hidden_layers": 8, "vocab_size": 8192}, 4, "float32", False),  # the layers' activations do
-        ({"num_hidden_layers": 8, "vocab_size": 8192}, 4, "bfloat16", True),
+        ({"num_hidden_layers": 8, "vocab_size": 8192}, 4, "float32", True),  # bfloat16 on this CPU: docs/gpus.md
     ],
 )
 def test_the_estimate_is_within_a_quarter_of_the_measured_peak(tmp_path, shape, rows, dtype, checkpointing):
