@@ -133,9 +133,10 @@ def estimate(shape: Shape, plan: Plan) -> dict[str, float]:
     mixed = plan.compute != plan.master
     if plan.ranks > 1:  # the root unit through the pass, two layer units (one prefetched), their gradients unsharded
         parts["gathered"] = shape.root_params * (c + 4) + 2 * shape.layer_params * (c + 4)
-    else:  # autocast's copies of the weights, kept for the backward pass (one layer's at a time, checkpointed)
+    else:  # autocast's copies kept for the backward pass (a layer's at a time, checkpointed); the head's
+        # fresh gradient before it is added to the accumulated one
         copied = shape.layer_params + shape.root_params if plan.checkpointing else shape.params
-        parts["gathered"] = copied * c if mixed else 0.0
+        parts["gathered"] = (copied * c if mixed else 0.0) + (shape.root_params * m if plan.trainable else 0.0)
     per_layer = shape.activation_bytes(plan.compute, mixed and plan.ranks == 1) * plan.tokens
     residual = 4 if mixed and plan.ranks == 1 else c
     if plan.checkpointing:  # each layer's input, and one layer recomputed at a time
@@ -146,8 +147,7 @@ def estimate(shape: Shape, plan: Plan) -> dict[str, float]:
     if plan.head:  # the logits and their gradient in the compute dtype; float32 copies of the response's part
         copies = (1 if c == 4 else 2) + (1 if plan.entropy else 0) + 1  # (cast,) scaled, (softmax,) their gradient
         parts["logits"] = 2 * plan.tokens * shape.vocab * c + (plan.chunk or plan.responses) * shape.vocab * 4 * copies
-    # AdamW's foreach step holds a tensor of its share; one rank adds the embedding's fresh gradient
-    temporaries = max(share * m if plan.trainable else 0.0, shape.root_params * m if plan.ranks == 1 else 0.0)
+    temporaries = share * m if plan.trainable else 0.0  # AdamW's foreach step holds a tensor of its share
     parts["step"] = max(0.0, temporaries - parts["activations"] - parts["logits"])
     return parts
 

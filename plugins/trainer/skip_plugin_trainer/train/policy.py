@@ -81,8 +81,11 @@ class Policy(TrainedModel):
             self.model = peft_lora.with_adapters(self.model, model_config)
         reference = None
         if use_reference and not self.lora:  # held in the compute dtype
-            reference = causal_lm(model_path, precision.compute, kernel, device, shard) if sharded else None
-            reference = (reference or copy.deepcopy(self.model).to(precision.compute)).requires_grad_(False).eval()
+            if sharded:
+                reference = causal_lm(model_path, precision.compute, kernel, device, shard)
+            else:
+                reference = copy.deepcopy(self.model).to(precision.compute)
+            reference = reference.requires_grad_(False).eval()
         self._setup(config, samples_per_prompt, total_training_steps, group, device, sharded=sharded)
         if reference is not None and not sharded:
             reference = shard(reference.to(self.device))
