@@ -4,7 +4,6 @@ offload keys move nothing on the CPU (said once, naming the device, as verl's GP
 
 from __future__ import annotations
 
-import warnings
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +13,6 @@ from skip_plugin_trainer.algorithm_settings import OFFLOAD_KEYS
 
 if TYPE_CHECKING:
     from skip_plugin_trainer.run_sections import DataConfig
-    from skip_plugin_trainer.settings import RunSettings
 
 
 def check_budgets(name: str, model: Any, data: DataConfig) -> None:
@@ -28,9 +26,9 @@ def check_budgets(name: str, model: Any, data: DataConfig) -> None:
             )
 
 
-def check_offloads(settings: RunSettings) -> None:
-    from skip_plugin_trainer.settings import UnusedKeysWarning
-
+def check_offloads(settings: Any) -> str | None:
+    """``settings``' (a ``RunSettings``) offload keys: FSDP2's on one rank is refused; on the CPU,
+    the warning that names those set (None: nothing to say)."""
     keys = [f"{name}.fsdp_config.{key}" for name in ("actor", "critic") for key in OFFLOAD_KEYS]
     offloads = [key for key in [*keys, "actor.ref_param_offload"] if attrgetter(key)(settings)]
     policy = next((key for key in offloads if key.endswith("offload_policy")), None)
@@ -41,6 +39,5 @@ def check_offloads(settings: RunSettings) -> None:
         )
     if offloads and settings.device == "cpu":
         written = ", ".join(settings.resolved.written(key) for key in offloads)
-        warnings.warn(
-            f"{written}: unused on trainer.device=cpu (they move tensors off a GPU)", UnusedKeysWarning, stacklevel=5
-        )
+        return f"{written}: unused on trainer.device=cpu (they move tensors off a GPU)"
+    return None

@@ -199,7 +199,9 @@ class RunSettings(RolloutSettings):
                 f"resources.actor.gpus_per_worker: {gpus:g} GPUs asked for an actor that trains on the CPU "
                 "(trainer.device=cpu); set trainer.device=cuda or 0 GPUs"
             )
-        check_offloads(self)
+        unused = check_offloads(self)
+        if unused:
+            warnings.warn(unused, UnusedKeysWarning, stacklevel=4)
 
     def bypass_mode(self, overlapped: bool) -> bool:
         """Whether the rollout log-probs serve as PPO's old log-probs (see ``RolloutCorrection``)."""
