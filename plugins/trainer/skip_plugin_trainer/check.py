@@ -49,34 +49,33 @@ def check(config: Any, console: Console, command: str) -> RolloutSettings:
 
 
 def _print_memory(settings: RunSettings, console: Console) -> None:
-    """The estimated memory per actor rank (``memory.py``), or why there is none."""
-    from rich.table import Table
-
+    """The estimated memory per actor rank (``memory.py``), or why there is none: YAML comments,
+    so that what ``--check`` prints stays one YAML document."""
     from skip_plugin_trainer.memory import gib, summary
 
     where = "GPU" if settings.device == "cuda" else "CPU rank"
     try:
         estimate = summary(settings)
     except (ValueError, OSError) as exc:  # a model the estimate does not know: the run does not need it
-        console.print(f"# memory per {where}: not estimated: {exc}")
+        console.print(f"# memory per {where}: not estimated: {exc}", markup=False)
         return
-    view = Table(title=f"estimated peak memory per {where} (GiB) in an update, before anything loads (docs/gpus.md)")
-    for header in estimate.headers:
-        view.add_column(header, justify="left" if header == "model" else "right")
-    for row in estimate.rows:
-        view.add_row(*row)
-    console.print(view)
+    lines = [f"# peak memory per {where} in an update, estimated before anything loads (docs/gpus.md), GiB:"]
+    for model, *values, total in estimate.rows:
+        named = zip(estimate.headers[1:-1], values, strict=True)
+        parts = " · ".join(f"{name} {value}" for name, value in named if value not in ("", "0"))
+        lines.append(f"#   {model}: {parts} = {total}" if parts else f"#   {model}, sharing each device: {total}")
     for name, plan in estimate.plans.items():
         ranks = f"{plan.ranks} rank{'s' if plan.ranks > 1 else ''}"
-        console.print(
-            f"# {name}: {ranks}, {plan.compute} compute over {plan.master} weights, checkpointing "
+        lines.append(
+            f"#   {name}: {ranks}, {plan.compute} compute over {plan.master} weights, checkpointing "
             f"{'on' if plan.checkpointing else 'off'}, micro-batches of up to {plan.tokens:,} tokens"
         )
     if settings.resources.colocate:
-        console.print(
-            f"# colocated engines sleep during an update; while they generate, {gib(estimate.resident)} GiB of "
+        lines.append(
+            f"#   colocated engines sleep during an update; while they generate, {gib(estimate.resident)} GiB of "
             "training state stays on each device beside the engine's own share (its gpu_memory_utilization)"
         )
+    console.print("\n".join(lines), soft_wrap=True, markup=False)
 
 
 def _to_build(settings: RolloutSettings) -> list[str]:

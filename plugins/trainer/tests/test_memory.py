@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from click.testing import CliRunner
 from skip_core.cli import cli
 from skip_plugin_trainer.memory import GIB, Plan, Shape, estimate
@@ -85,8 +86,9 @@ def test_check_prints_the_estimate_per_rank(task_dir):
         cli, ["run", "--check", f"task.dir={task_dir}", "resources.actor.workers=2", "actor.fsdp_config.dtype=bf16"]
     )
     assert result.exit_code == 0, result.output
-    assert "estimated peak memory per CPU rank (GiB)" in result.output
-    assert "# actor: 2 ranks, bfloat16 compute over float32 weights, checkpointing on" in result.output
+    assert "# peak memory per CPU rank in an update, estimated before anything loads" in result.output
+    assert "#   actor: 2 ranks, bfloat16 compute over float32 weights, checkpointing on" in result.output
+    assert yaml.safe_load(result.output)["actor"]["fsdp_config"]["dtype"] == "bfloat16"  # still one YAML document
 
 
 @pytest.mark.slow
