@@ -15,6 +15,7 @@ import contextlib
 import functools
 import math
 import os
+import stat
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -110,8 +111,11 @@ class Stored:
         with safe_open(str(path), framework="pt"):  # checks the header and every tensor's offsets
             pass
         self.path = path
-        self.fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # a link is followed: Hugging Face's cache keeps a snapshot's files as links to its blobs
+        self.fd = os.open(path, os.O_RDONLY)
         files.callback(os.close, self.fd)
+        if not stat.S_ISREG(os.fstat(self.fd).st_mode):
+            raise ValueError(f"{path.name} is not a regular file")
         (length,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
         self.tensors = reading.loads(os.pread(self.fd, length, 8))
         self.data = 8 + length
