@@ -1,6 +1,7 @@
-"""Sharded loading: two ranks (fresh processes, gloo) build the policy and its reference from the
-files, each reading only its shards; gathered, every weight is the model's, and a rank's peak host
-memory while building is about its shards, not the model (``loading_probe.py``)."""
+"""Sharded loading: two ranks (fresh processes, gloo) build the policy and its reference, a LoRA
+policy, or the critic from the files, each reading only its shards; gathered, every weight is the
+model's (a new head or adapter the one-rank build's), and a rank's peak host memory while building
+is about its shards, not the model (``loading_probe.py``)."""
 
 import json
 import subprocess
@@ -17,16 +18,24 @@ QWEN2_05B = {
 SHARD_TOLERANCE = 1.3  # issue 51's: a rank's peak while building within 1.3x of its shards
 
 
-def probe(tmp_path: Path, model: Path, reference: bool) -> list[dict]:
+def probe(tmp_path: Path, model: Path, reference: bool, kind: str = "policy") -> list[dict]:
     out = tmp_path / "ranks"
     out.mkdir()
-    options = {"model": str(model), "ranks": 2, "reference": reference}
+    options = {"model": str(model), "ranks": 2, "reference": reference, "kind": kind}
     subprocess.run([sys.executable, str(PROBE), json.dumps(options), str(out)], check=True, timeout=600)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
 def test_two_ranks_load_their_shards_of_the_policy_and_the_reference_exactly(tiny_model_dir, tmp_path):
     ranks = probe(tmp_path, tiny_model_dir, reference=True)
+    assert all(rank["sharded"] for rank in ranks)
+    assert ranks[0]["differing"] == []
+
+
+@pytest.mark.parametrize("kind", ["critic", "lora"])
+def test_two_ranks_load_the_critic_and_a_lora_policy_as_one_rank_does(tiny_model_dir, tmp_path, kind):
+    """Their new head and adapters are drawn from the seed whole, so each rank's rows are one rank's."""
+    ranks = probe(tmp_path, tiny_model_dir, reference=False, kind=kind)
     assert all(rank["sharded"] for rank in ranks)
     assert ranks[0]["differing"] == []
 

@@ -7,12 +7,16 @@ the policy's, tests drive it in-process.
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 from skip_core.batch import Batch
 
 from skip_plugin_trainer.algorithm_settings import CriticConfig
 from skip_plugin_trainer.train.algorithm import Totals, token_share
-from skip_plugin_trainer.train.distributed import Group, world
+from skip_plugin_trainer.train.distributed import Group, join, shard, world
+from skip_plugin_trainer.train.loading import pretrained
 from skip_plugin_trainer.train.micro_batches import split
 from skip_plugin_trainer.train.offload import resident
 from skip_plugin_trainer.train.policy import pad_right, response_outputs
@@ -43,20 +47,25 @@ class Critic(TrainedModel):
         hf_logging.disable_progress_bar()
         if threads:
             torch.set_num_threads(threads)
-        torch.manual_seed(seed)  # the new head's initial weights
         self.precision = Precision.of(config.fsdp_config, device)
         kernel = attention(attn_implementation, device, self.precision.compute)
+        sharded = group is not None and group.world > 1  # each rank reads only its shards
+        if sharded:
+            join(group, torch.device(device))
+        sharding = functools.partial(shard, mixed=self.precision.sharding(), host=config.fsdp_config.offload_policy)
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # "newly initialized: score.weight" is the point: the head is new
         try:
-            model = AutoModelForTokenClassification.from_pretrained(
-                model_path, num_labels=1, dtype=self.precision.master, attn_implementation=kernel
-            )
+            # no dropout (a value is a function of the tokens alone), checkpointing as configured
+            self.model = pretrained(
+                AutoModelForTokenClassification, model_path, self.precision.master, kernel, device,
+                sharding if sharded else None, num_labels=1,
+                prepare=functools.partial(trainable, checkpointing=config.enable_gradient_checkpointing),
+                fresh=functools.partial(value_head, seed=seed),
+            )  # fmt: skip
         finally:
             hf_logging.set_verbosity(verbosity)
-        # no dropout (a value is a function of the tokens alone), checkpointing as configured
-        self.model = trainable(model, config.enable_gradient_checkpointing)
-        self._setup(config, samples_per_prompt, total_training_steps, group, device)
+        self._setup(config, samples_per_prompt, total_training_steps, group, device, sharded=sharded)
 
     @torch.no_grad()
     @resident
@@ -89,3 +98,15 @@ class Critic(TrainedModel):
             return result.loss
 
         metrics.means["critic/grad_norm"].append(self._micro_batches(mini, loss))
+
+
+def value_head(model: Any, seed: int) -> dict[str, torch.Tensor]:
+    """The new value head's initial weights as transformers draws a linear layer's (normal with the
+    config's ``initializer_range``, the bias zero), from ``seed`` alone and whole: a sharded
+    critic, built on meta, starts from the same head as one rank."""
+    generator = torch.Generator().manual_seed(seed)
+    head = {"score.weight": torch.empty(model.score.weight.shape)}
+    head["score.weight"].normal_(0.0, getattr(model.config, "initializer_range", 0.02), generator=generator)
+    if model.score.bias is not None:
+        head["score.bias"] = torch.zeros(model.score.bias.shape)
+    return head

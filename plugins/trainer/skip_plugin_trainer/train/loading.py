@@ -6,7 +6,8 @@ initialised for nothing; buffers, such as rotary frequencies, are computed for r
 sharded, each rank allocates only its shards on its device and reads only their rows from the
 files (``safe_open``'s slices: the file is mapped, nothing else is read). A rank's peak host
 memory is then about its shard, where loading whole and sharding after needed the whole model on
-every rank (61 GB each for a 7B model in float32).
+every rank (61 GB each for a 7B model in float32). The policy, its reference, a LoRA policy's base
+and the critic's body are built this way.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import math
 import os
 import stat
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,57 +52,77 @@ def empty_parameters() -> Iterator[None]:
         torch.nn.Module.register_parameter = register
 
 
-def causal_lm(
-    model_path: str, dtype: torch.dtype, kernel: str, device: str, shard: Callable[[torch.nn.Module], Any] | None
-) -> torch.nn.Module:
-    """The causal LM of ``model_path`` in ``dtype``: whole (``shard`` None), or built sharded."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def pretrained(
+    kind: Any, model_path: str, dtype: torch.dtype, kernel: str, device: str,
+    shard: Callable[[torch.nn.Module], Any] | None, *, prepare: Callable[[Any], Any] = lambda model: model,
+    fresh: Callable[[Any], Mapping[str, torch.Tensor]] | None = None, stored: Callable[[str], str] = str,
+    **options: Any,
+) -> Any:  # fmt: skip
+    """``kind`` (a transformers auto class) of ``model_path`` in ``dtype``: whole (``shard`` None),
+    or built sharded. ``prepare`` takes the model as built (train mode, adapters); ``fresh`` gives
+    the whole initial value of each parameter the files do not hold (a new head, adapters), drawn
+    from a seed so that both ways start alike; ``stored`` names a parameter as the files do;
+    ``options`` go to the model's config (``num_labels``)."""
+    from transformers import AutoConfig
 
     if shard is None:
-        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=kernel)
-    config = AutoConfig.from_pretrained(model_path)
-    build = functools.partial(AutoModelForCausalLM.from_config, config, dtype=dtype, attn_implementation=kernel)
-    return build_sharded(model_path, build, shard, torch.device(device), dtype)
-
-
-def build_sharded(
-    model_path: str, build: Callable[[], torch.nn.Module], shard: Callable[[torch.nn.Module], torch.nn.Module],
-    device: torch.device, dtype: torch.dtype,
-) -> torch.nn.Module:  # fmt: skip
-    """``build()`` (a model from ``model_path``'s config) with empty parameters, ``shard``-ed, then
-    each rank's shards allocated on ``device`` and read from the files in ``dtype``."""
+        model = prepare(kind.from_pretrained(model_path, dtype=dtype, attn_implementation=kernel, **options))
+        for name, value in (fresh(model) if fresh else {}).items():
+            place(model.get_parameter(name), value)
+        return model
+    config = AutoConfig.from_pretrained(model_path, **options)
+    build = functools.partial(kind.from_config, config, dtype=dtype, attn_implementation=kernel)
     with empty_parameters():
-        model = build()
+        model = prepare(build())
+    initial = fresh(model) if fresh else {}  # from the shapes: every parameter is on meta here
     model = shard(model)
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
-    model.to_empty(device=device)  # allocates each rank's shards; buffers come back below
+    model.to_empty(device=torch.device(device))  # allocates each rank's shards; buffers come back below
     for name, buffer in model.named_buffers():
         buffer.copy_(buffers[name])
-    fill(model, Path(model_path), dtype)
+    fill(model, Path(model_path), dtype, initial, stored)
     return model
 
 
-def fill(model: torch.nn.Module, directory: Path, dtype: torch.dtype) -> None:
+def fill(
+    model: torch.nn.Module, directory: Path, dtype: torch.dtype, initial: Mapping[str, torch.Tensor] | None = None,
+    stored: Callable[[str], str] = str,
+) -> None:  # fmt: skip
     """Each parameter's local rows read from the safetensors file that holds it, with ``pread``
-    (a mapped file's pages would count in the rank's resident memory); ``ValueError`` naming a
-    tensor the files lack or hold in another shape."""
+    (a mapped file's pages would count in the rank's resident memory), or taken from ``initial``;
+    ``ValueError`` naming a tensor the files lack or hold in another shape."""
     where = _index(directory)
     with contextlib.ExitStack() as files:
         opened: dict[str, Stored] = {}
         for name, parameter in model.named_parameters():
-            if name not in where:
-                raise ValueError(f"{directory.name}'s safetensors files hold no {name}")
-            if where[name] not in opened:
-                opened[where[name]] = Stored(directory / where[name], files)
-            stored = opened[where[name]]
-            local = parameter.to_local() if isinstance(parameter, DTensor) else parameter
-            start = 0
-            if isinstance(parameter, DTensor) and local.dim():
-                _, offsets = compute_local_shape_and_global_offset(
-                    parameter.shape, parameter.device_mesh, parameter.placements
-                )
-                start = offsets[0]
-            stored.read(name, list(parameter.shape), start, local, dtype)
+            if initial and name in initial:
+                place(parameter, initial[name])
+                continue
+            key = stored(name)
+            if key not in where:
+                raise ValueError(f"{directory.name}'s safetensors files hold no {key}")
+            if where[key] not in opened:
+                opened[where[key]] = Stored(directory / where[key], files)
+            local, start = _local(parameter)
+            opened[where[key]].read(key, list(parameter.shape), start, local, dtype)
+
+
+def place(parameter: torch.Tensor, value: torch.Tensor) -> None:
+    """This rank's rows of the whole ``value`` into ``parameter`` (a shard or a whole tensor)."""
+    local, start = _local(parameter)
+    with torch.no_grad():
+        local.copy_(value[start : start + local.shape[0]] if local.dim() else value)
+
+
+def _local(parameter: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """This rank's part of ``parameter`` and the first row of it (FSDP2 shards on rows)."""
+    if not isinstance(parameter, DTensor):
+        return parameter, 0
+    local = parameter.to_local()
+    if not local.dim():
+        return local, 0
+    _, offsets = compute_local_shape_and_global_offset(parameter.shape, parameter.device_mesh, parameter.placements)
+    return local, offsets[0]
 
 
 class Stored:

@@ -11,6 +11,7 @@ adapters under peft's names), so a resumed run continues the same adapters.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,6 +37,31 @@ def with_adapters(model: Any, settings: ModelConfig) -> Any:
         bias="none",
     )
     return get_peft_model(model, config)
+
+
+def initial_adapters(model: Any, seed: int) -> dict[str, torch.Tensor]:
+    """Each adapter's initial value, as peft draws it (A as ``nn.Linear`` would be, B zero; the
+    other way round for an embedding), from ``seed`` alone and whole: a sharded policy, built on
+    meta, starts from the same adapters as one rank."""
+    generator = torch.Generator().manual_seed(seed)
+    initial = {}
+    for name, parameter in model.named_parameters():
+        if ".lora_" not in name:
+            continue
+        value = torch.zeros(parameter.shape)
+        if ".lora_A." in name:
+            torch.nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=generator)
+        elif ".lora_embedding_B." in name:
+            torch.nn.init.normal_(value, generator=generator)
+        elif not (".lora_B." in name or ".lora_embedding_A." in name):
+            raise ValueError(f"{name}: an adapter parameter skip does not initialise")
+        initial[name] = value
+    return initial
+
+
+def base_name(name: str) -> str:
+    """A parameter of the peft-wrapped model under the name the model's files give it."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
 def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ from skip_plugin_trainer.train import lora as peft_lora
 from skip_plugin_trainer.train.algorithm import Totals, agg_loss, kl_penalty, policy_loss
 from skip_plugin_trainer.train.correction import bypass_policy_loss
 from skip_plugin_trainer.train.distributed import Group, full, join, own_state, shard, world
-from skip_plugin_trainer.train.loading import causal_lm
+from skip_plugin_trainer.train.loading import pretrained
 from skip_plugin_trainer.train.logits import token_log_probs
 from skip_plugin_trainer.train.micro_batches import split
 from skip_plugin_trainer.train.offload import Offload, resident
@@ -57,6 +57,7 @@ class Policy(TrainedModel):
         group: Group | None = None,
         device: str = "cpu",
     ) -> None:
+        from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # one bar per weight file, in every worker's log
@@ -70,19 +71,26 @@ class Policy(TrainedModel):
         kernel = attention(model_config.attn_implementation, device, precision.compute)
         self.lora = model_config.lora_rank > 0
         self.use_reference = use_reference
-        sharded = group is not None and group.world > 1 and not self.lora  # each rank reads only its shards
+        sharded = group is not None and group.world > 1  # each rank reads only its shards
         if sharded:
             join(group, torch.device(device))
         host = config.fsdp_config.offload_policy
         sharding = functools.partial(shard, mixed=precision.sharding(), host=host) if sharded else None
-        model = causal_lm(model_path, precision.master, kernel, device, sharding)
-        self.model = trainable(model, model_config.enable_gradient_checkpointing)
-        if self.lora:
-            self.model = peft_lora.with_adapters(self.model, model_config)
+
+        def train_mode(model: Any) -> Any:  # before sharding: FSDP2 wraps the adapters with their layers
+            model = trainable(model, model_config.enable_gradient_checkpointing)
+            return peft_lora.with_adapters(model, model_config) if self.lora else model
+
+        # the adapters are drawn from the seed, alike on any number of ranks; the files hold the base
+        lora = {"fresh": functools.partial(peft_lora.initial_adapters, seed=seed), "stored": peft_lora.base_name}
+        self.model = pretrained(
+            AutoModelForCausalLM, model_path, precision.master, kernel, device, sharding, prepare=train_mode,
+            **(lora if self.lora else {}),
+        )  # fmt: skip
         reference = None
         if use_reference and not self.lora:  # held in the compute dtype
             if sharded:
-                reference = causal_lm(model_path, precision.compute, kernel, device, shard)
+                reference = pretrained(AutoModelForCausalLM, model_path, precision.compute, kernel, device, shard)
             else:
                 reference = copy.deepcopy(self.model).to(precision.compute)
             reference = reference.requires_grad_(False).eval()
