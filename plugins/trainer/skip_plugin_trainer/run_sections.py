@@ -69,6 +69,7 @@ def _path(value: str) -> str:
 
 Name = Annotated[str, AfterValidator(_name)]
 LocalPath = Annotated[str, AfterValidator(_path)]
+Attention = Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"]  # transformers' own
 
 
 class TaskConfig(BaseModel):
@@ -88,7 +89,8 @@ class ModelConfig(BaseModel):
     weight of the policy: verl's keys and defaults. ``enable_gradient_checkpointing`` (verl's
     default on) recomputes each decoder layer's activations in the backward pass instead of keeping
     them. ``attn_implementation`` (verl's ``override_config.attn_implementation``): null takes
-    ``flash_attention_2`` on a GPU where it is installed, ``sdpa`` otherwise. verl's other ``model``
+    ``flash_attention_2`` on a GPU where it is installed, ``sdpa`` otherwise (the FlashAttention
+    kernels need ``trainer.device=cuda``: ``memory_keys``). verl's other ``model``
     keys are GPU tuning or refused (``verl_keys``).
     """
 
@@ -99,7 +101,7 @@ class ModelConfig(BaseModel):
     target_modules: str | list[StrictStr] = "all-linear"
     exclude_modules: str | list[StrictStr] | None = None
     enable_gradient_checkpointing: StrictBool = True
-    attn_implementation: StrictStr | None = None
+    attn_implementation: Attention | None = None
 
 
 class DataConfig(BaseModel):

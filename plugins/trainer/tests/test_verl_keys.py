@@ -190,6 +190,15 @@ def test_fsdps_offload_on_one_rank_is_refused_in_one_line():
         settings("actor_rollout_ref.actor.fsdp_config.offload_policy=True")
 
 
+def test_an_attention_kernel_is_one_transformers_has_and_flash_attention_needs_a_gpu():
+    key = "actor_rollout_ref.model.override_config.attn_implementation"
+    with pytest.raises(ConfigError, match=r"expected 'sdpa', 'eager', 'flash_attention_2', .* got 'flash'"):
+        settings(f"+{key}=flash")
+    with pytest.raises(ConfigError, match=rf"^{key}: flash_attention_2 runs on a GPU only \(trainer.device=cpu"):
+        settings(f"+{key}=flash_attention_2")
+    assert settings(f"+{key}=eager").model.attn_implementation == "eager"
+
+
 def test_verls_renamed_keys_land_on_skips():
     s = settings(
         "algorithm.kl_ctrl.kl_coef=0.05",
