@@ -35,7 +35,7 @@ def scenarios(base: Plan) -> list[tuple[str, Plan]]:
     chunked = replace(checkpointed, chunk=2048)
     offloaded = replace(chunked, parked=("weights", "gradients", "AdamW", "reference"))
     return [
-        ("float32 (skip before issue 51)", fp32),
+        ("float32, none of the keys", fp32),
         ("+ fsdp_config.dtype=bfloat16", bf16),
         ("+ enable_gradient_checkpointing", checkpointed),
         ("+ entropy_from_logits_with_chunking", chunked),

@@ -56,16 +56,17 @@ VARIANTS = {  # name: (fsdp_config.dtype, model.enable_gradient_checkpointing)
 }
 
 
-def build_model(rank: int, directory: str, layers: int) -> None:
-    """Random weights in Qwen2-0.5B's shape (``layers`` decoder layers), saved as safetensors.
-    Spawned, so that the driver never holds the model."""
+def build_model(rank: int, directory: str, layers: int, untied: bool) -> None:
+    """Random weights in Qwen2-0.5B's shape (``layers`` decoder layers; ``untied``: a head of its
+    own, as Qwen2.5-7B has), saved as safetensors. Spawned, so that the driver never holds the model."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     torch.manual_seed(0)
-    Qwen2ForCausalLM(Qwen2Config(**{**QWEN2_05B, "num_hidden_layers": layers})).save_pretrained(directory)
+    config = {**QWEN2_05B, "num_hidden_layers": layers, "tie_word_embeddings": not untied}
+    Qwen2ForCausalLM(Qwen2Config(**config)).save_pretrained(directory)
 
 
 def synthetic_batch(samples: int, prompt: int, response: int, vocab: int):
@@ -208,6 +209,9 @@ def main() -> None:
         help="compute dtype and gradient checkpointing, each measured in turn (float32 weights in all)",
     )
     parser.add_argument(
+        "--untied", action="store_true", help="a head of its own (Qwen2.5-7B's and 32B's), not the embedding's"
+    )
+    parser.add_argument(
         "--mmap-threshold",
         type=int,
         default=None,
@@ -225,7 +229,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="bench-shard-memory-") as tmp:
         model = Path(tmp) / "model"
-        mp.spawn(build_model, args=(str(model), args.layers), nprocs=1, join=True)
+        mp.spawn(build_model, args=(str(model), args.layers, args.untied), nprocs=1, join=True)
         options = {
             "model": str(model),
             "samples": args.samples,
@@ -254,7 +258,8 @@ def main() -> None:
     base_state = base["params"] + base["grads"] + base["optimizer"]
     malloc = f", MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold is not None else ""
     table = Table(
-        title=f"Policy sharded with FSDP2, per rank: Qwen2-0.5B shape, {args.layers} layers, float32 weights, "
+        title=f"Policy sharded with FSDP2, per rank: Qwen2-0.5B shape{' (untied head)' if args.untied else ''}, "
+        f"{args.layers} layers, float32 weights, "
         f"{args.samples} x ({args.prompt} + {args.response}) tokens, micro-batch {args.micro}{malloc}"
     )
     columns = ("variant", "N", "rank", "params MiB", "grads MiB", "optimizer MiB", "state MiB", "state / first")

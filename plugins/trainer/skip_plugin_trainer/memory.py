@@ -122,8 +122,8 @@ class Plan:
 
 def estimate(shape: Shape, plan: Plan) -> dict[str, float]:
     """Bytes per rank by part, at the update's peak: the state, what a rank holds whole, and the
-    larger of the backward pass's working set (activations, logits) and the temporaries of the
-    optimizer step and the embedding's gradient (``step``: what they need beyond that set)."""
+    larger of the backward pass's working set (activations, logits) and the optimizer step's
+    temporaries or a sharded embedding's unit (``step``: what they need beyond that set)."""
     m, c = DTYPE_BYTES[plan.master], DTYPE_BYTES[plan.compute]
     share = shape.params / plan.ranks
     parts = {"weights": share * m}
@@ -131,8 +131,13 @@ def estimate(shape: Shape, plan: Plan) -> dict[str, float]:
     parts["AdamW"] = 2 * share * m if plan.trainable else 0.0
     parts["reference"] = share * c if plan.reference else 0.0
     mixed = plan.compute != plan.master
-    if plan.ranks > 1:  # the root unit through the pass, two layer units (one prefetched), their gradients unsharded
-        parts["gathered"] = shape.root_params * (c + 4) + 2 * shape.layer_params * (c + 4)
+    # sharded, an embedding no head shares is a unit of its own (``distributed.shard``), gathered with
+    # its gradient only at the ends of the pass, when activations and logits are gone
+    embedding = shape.vocab * shape.hidden * (c + 4) if plan.ranks > 1 and not (shape.tied and plan.head) else 0.0
+    if plan.ranks > 1:  # the root unit (the head, the final norm) through the pass, two layer units (one
+        # prefetched), their gradients unsharded
+        root = shape.vocab * shape.hidden * plan.head + shape.hidden
+        parts["gathered"] = root * (c + 4) + 2 * shape.layer_params * (c + 4)
     else:  # autocast's copies kept for the backward pass (a layer's at a time, checkpointed); the head's
         # fresh gradient before it is added to the accumulated one
         copied = shape.layer_params + shape.root_params if plan.checkpointing else shape.params
@@ -148,7 +153,7 @@ def estimate(shape: Shape, plan: Plan) -> dict[str, float]:
         copies = (1 if c == 4 else 2) + (1 if plan.entropy else 0) + 1  # (cast,) scaled, (softmax,) their gradient
         parts["logits"] = 2 * plan.tokens * shape.vocab * c + (plan.chunk or plan.responses) * shape.vocab * 4 * copies
     temporaries = share * m if plan.trainable else 0.0  # AdamW's foreach step holds a tensor of its share
-    parts["step"] = max(0.0, temporaries - parts["activations"] - parts["logits"])
+    parts["step"] = max(0.0, max(temporaries, embedding) - parts["activations"] - parts["logits"])
     return parts
 
 

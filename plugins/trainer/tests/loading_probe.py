@@ -67,9 +67,13 @@ def rank_main(rank: int, world: int, address: str, options: dict, out: str) -> N
         for part, tensors in gathered.items():
             differing += [f"{part}.{n}" for n, t in tensors.items() if not torch.equal(t, whole[n])]
         differing += [f"missing {n}" for n in whole if n not in gathered["model"]]
-    result = {"peak": peak, "shards": shards, "differing": differing, "sharded": isinstance(
-        next(trained.model.parameters()), DTensor
-    )}  # fmt: skip
+    from torch.distributed.fsdp import FSDPModule
+
+    result = {
+        "peak": peak, "shards": shards, "differing": differing,
+        "sharded": isinstance(next(trained.model.parameters()), DTensor),
+        "units": sum(isinstance(module, FSDPModule) for module in trained.model.modules()),
+    }  # fmt: skip
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     torch.distributed.destroy_process_group()
 

@@ -32,6 +32,23 @@ def test_two_ranks_load_their_shards_of_the_policy_and_the_reference_exactly(tin
     assert ranks[0]["differing"] == []
 
 
+def test_an_untied_embedding_is_a_unit_of_its_own_and_loads_exactly(tmp_path):
+    """Qwen2.5-7B's layout: the head is not the embedding, which ``shard`` wraps apart."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = tmp_path / "model"
+    small = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+    config = AutoConfig.for_model(
+        "qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, **small
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(model)
+    ranks = probe(tmp_path, model, reference=True)
+    assert all(rank["sharded"] and rank["units"] == 2 + 1 + 1 for rank in ranks)  # layers, the embedding, the root
+    assert ranks[0]["differing"] == []
+
+
 @pytest.mark.parametrize("kind", ["critic", "lora"])
 def test_two_ranks_load_the_critic_and_a_lora_policy_as_one_rank_does(tiny_model_dir, tmp_path, kind):
     """Their new head and adapters are drawn from the seed whole, so each rank's rows are one rank's."""

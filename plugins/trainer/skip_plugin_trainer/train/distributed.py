@@ -2,8 +2,8 @@
 sharded over it with FSDP2, and what a rank reads and writes of the whole.
 
 ``resources.actor.workers`` ranks form one group (gloo on CPU, NCCL on GPU); every parameter,
-gradient and optimizer state is split across them (``fully_shard`` on each decoder layer and
-on the root), and each rank trains its share of every mini-batch. A single rank forms no
+gradient and optimizer state is split across them (``fully_shard`` on each decoder layer, an
+untied embedding, and the root), and each rank trains its share of every mini-batch. A single rank forms no
 group: its model is the plain one. Every rank must run the same collectives in the same order,
 which the driver's ``ModelGroup`` guarantees by sending every call to all ranks at once.
 """
@@ -11,6 +11,7 @@ which the driver's ``ModelGroup`` guarantees by sending every call to all ranks 
 from __future__ import annotations
 
 import socket
+from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -70,8 +71,10 @@ def rank() -> int:
 
 def shard(model: torch.nn.Module, mixed: MixedPrecisionPolicy | None = None, host: bool = False) -> torch.nn.Module:
     """``model`` sharded with FSDP2 over the group: each decoder layer (the blocks Hugging Face
-    marks ``_no_split_modules``) is one unit gathered for its forward and freed after, the root
-    holds the rest (embeddings, the tied head, the final norm); ``mixed``: the precision they
+    marks ``_no_split_modules``) is one unit gathered for its forward and freed after, and so is
+    an embedding no other module shares (as verl wraps it: at 7B an untied embedding is 1 GiB in
+    bfloat16 that the root would hold through the pass); the root holds the rest (the head, tied
+    to the embedding or not, the final norm); ``mixed``: the precision they
     compute in (``precision.py``); ``host``: FSDP2's offload, the shards kept in host memory
     (``offload.py``). A single rank: as it is."""
     if world() == 1:
@@ -82,8 +85,10 @@ def shard(model: torch.nn.Module, mixed: MixedPrecisionPolicy | None = None, hos
     if host:
         options["offload_policy"] = CPUOffloadPolicy()
     blocks = set(getattr(model, "_no_split_modules", None) or ())
+    uses = Counter(id(parameter) for _, parameter in model.named_parameters(remove_duplicate=False))
     for module in model.modules():
-        if type(module).__name__ in blocks:
+        alone = isinstance(module, torch.nn.Embedding) and uses[id(module.weight)] == 1
+        if type(module).__name__ in blocks or alone:
             fully_shard(module, **options)
     fully_shard(model, **options)
     return model
