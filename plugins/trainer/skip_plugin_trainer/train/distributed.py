@@ -3,8 +3,8 @@ sharded over it with FSDP2, and what a rank reads and writes of the whole.
 
 ``resources.actor.workers`` ranks form one group (gloo on CPU, NCCL on GPU); every parameter,
 gradient and optimizer state is split across them (``fully_shard`` on each decoder layer, an
-untied embedding, and the root), and each rank trains its share of every mini-batch. A single rank forms no
-group: its model is the plain one. Every rank must run the same collectives in the same order,
+untied embedding, and the root), and each rank trains its share of every mini-batch. A single
+rank forms no group: its model is the plain one. Every rank must run the same collectives in the same order,
 which the driver's ``ModelGroup`` guarantees by sending every call to all ranks at once.
 """
 
