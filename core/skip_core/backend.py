@@ -186,6 +186,10 @@ class Backend(ABC, Generic[OptionsT]):
         """Refuse in one line naming the key what would fail in a worker (no engine installed,
         no device): runs in the driver before any worker starts or the model exists."""
 
+    def devices(self, options: OptionsT) -> int:
+        """The GPUs one engine spans (its tensor-parallel size), which the run places together."""
+        return 1
+
     @abstractmethod
     def build(self, options: OptionsT, model_dir: Path) -> RolloutBackend:
         """The engine on the model in ``model_dir``, in a rollout worker. Import the engine here:

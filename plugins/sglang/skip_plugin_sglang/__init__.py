@@ -23,6 +23,9 @@ class SGLang(Backend[SGLangOptions]):
         if "RAY_ADDRESS" not in os.environ:  # on a cluster, the workers' machines are not the driver's
             check_machine()
 
+    def devices(self, options: SGLangOptions) -> int:
+        return options.tp_size
+
     def build(self, options: SGLangOptions, model_dir: Path) -> RolloutBackend:
         from skip_plugin_sglang.engine import SGLangBackend
 

@@ -43,6 +43,10 @@ def check(config: Any, console: Console, command: str) -> RolloutSettings:
         tokenizer = load_tokenizer(settings)
         task_rewarder(settings, tokenizer, prompt_loader(settings, tokenizer, parts.tools).dataset)
     console.print(yaml.safe_dump(settings.dump(), sort_keys=False).rstrip(), soft_wrap=True, markup=False)
+    if isinstance(settings, RunSettings):
+        placement = settings.placement().lines()  # GPUs only: YAML comments, as the estimate
+        if placement:
+            console.print("\n".join(f"# {line}" for line in placement), soft_wrap=True, markup=False)
     if isinstance(settings, RunSettings) and not missing:
         _print_memory(settings, console)
     return settings

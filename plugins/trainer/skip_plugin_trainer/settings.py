@@ -43,6 +43,7 @@ from skip_plugin_trainer.algorithm_settings import (
 )
 from skip_plugin_trainer.job_steps import job_steps
 from skip_plugin_trainer.memory_keys import check_budgets, check_offloads
+from skip_plugin_trainer.placement import Placement, plan
 from skip_plugin_trainer.run_sections import (
     DataConfig,
     LoopConfig,
@@ -185,9 +186,16 @@ class RunSettings(RolloutSettings):
             return self.trainer.device
         return "cuda" if self.resources.actor.gpus_per_worker > 0 else "cpu"
 
+    def placement(self) -> Placement:
+        """Which GPU holds which actor rank and engine (``placement.py``)."""
+        from skip_core.backend import find_backend
+
+        backend = find_backend(self.rollout.backend)
+        return plan(self.resources, backend.devices(self.sections[backend.Options]), self.device)
+
     def check_devices(self) -> None:
         """A device the actor pool does not ask Ray for would not be there: Ray shows a worker
-        only the GPUs of its bundle."""
+        only the GPUs of its bundle. The pools' GPUs must give every rank and engine its own."""
         gpus = self.resources.actor.gpus_per_worker
         if self.trainer.device == "cuda" and gpus == 0:
             raise ConfigError(
@@ -199,6 +207,7 @@ class RunSettings(RolloutSettings):
                 f"resources.actor.gpus_per_worker: {gpus:g} GPUs asked for an actor that trains on the CPU "
                 "(trainer.device=cpu); set trainer.device=cuda or 0 GPUs"
             )
+        self.placement()  # refuses what cannot be placed, naming the key
         unused = check_offloads(self)
         if unused:
             warnings.warn(unused, UnusedKeysWarning, stacklevel=4)

@@ -21,6 +21,9 @@ class VLLM(Backend[VLLMOptions]):
     def check(self, options: VLLMOptions) -> None:
         check_installed()
 
+    def devices(self, options: VLLMOptions) -> int:
+        return options.tensor_parallel_size
+
     def build(self, options: VLLMOptions, model_dir: Path) -> RolloutBackend:
         from skip_plugin_vllm.engine import VLLMBackend
 

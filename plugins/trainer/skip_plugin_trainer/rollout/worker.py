@@ -3,6 +3,8 @@ worker process from the run's settings; ``RolloutGroup`` (``group.py``) is the d
 
 from __future__ import annotations
 
+import os
+
 from skip_core import spans
 from skip_core.batch import Batch
 from skip_core.schedule import GLOBAL_STEPS
@@ -16,10 +18,14 @@ class RolloutWorker(Located):
     """One agent loop and backend, built in the worker process from the run's settings.
 
     ``rank`` names the worker in profiles; spans of work outside a rollout (weight loads)
-    carry the step of the last batch it generated.
+    carry the step of the last batch it generated. ``devices``: the GPUs (``CUDA_VISIBLE_DEVICES``)
+    of an engine whose tensor-parallel shards share them with the actor ranks (``placement.py``);
+    Ray shows a worker only its own bundle's, the first of them.
     """
 
-    def __init__(self, settings: RolloutSettings, threads: int, rank: int) -> None:
+    def __init__(self, settings: RolloutSettings, threads: int, rank: int, devices: str | None = None) -> None:
+        if devices is not None:  # before anything initialises CUDA; the engine's shard processes inherit it
+            os.environ["CUDA_VISIBLE_DEVICES"] = devices
         import torch
         from transformers.utils import logging as hf_logging
 

@@ -390,6 +390,8 @@ def run(config: Any, console: Console) -> Trainer:
         f"{trainer.settings.rollout.n} samples per step, schedule {trainer.settings.trainer.schedule}, "
         f"run directory {trainer.run_dir}"
     )
+    for line in trainer.settings.placement().lines():  # which GPU holds which rank and engine
+        console.print(line, soft_wrap=True, markup=False)
     try:
         trainer.start()
         trainer.fit()

@@ -31,6 +31,7 @@ from skip_plugin_trainer.train.policy import Policy
 
 POOL_TIMEOUT_S = 60
 STREAMED_PER_WORKER = 256
+Placed = tuple["Pool", dict[str, Any]]  # a pool, and what each of its workers asks of its bundle
 
 
 def quiet_local_ray() -> None:
@@ -65,37 +66,19 @@ class Cluster:
             if not address:
                 quiet_local_ray()
             ray.init(**({"address": address} if address else local), include_dashboard=False, log_to_driver=True)
-        rollout_pool, actor_pool = resources.rollout, resources.actor
-        pools = [
-            PoolSpec(
-                "rollout", rollout_pool.workers, rollout_pool.cpus_per_worker, rollout_pool.gpus_per_worker,
-                rollout_pool.ray_resources or {},
-            ),
-            PoolSpec(
-                "actor", actor_pool.workers, actor_pool.cpus / actor_pool.workers, actor_pool.gpus_per_worker,
-                actor_pool.ray_resources or {},
-            ),
-        ]  # fmt: skip
-        Pool.check_capacity(pools)
-        for pool in pools:
-            self.pools.append(Pool(pool))
-        rollout, actor = self.pools
+        # The critic's ranks share the policy's bundles, as verl colocates them: a step runs their phases in turn.
+        share = 2 if settings.use_critic else 1
+        (rollout, engines), (actor, ranks) = self._place(settings, share)
         threads = resources.threads(rollout.spec.cpus, overlapped, together=resources.rollout.workers)
         # Many concurrent calls per worker: streamed samples each wait in one; the engine batches them.
         restarts = resources.rollout.max_restarts
         spawn = functools.partial(
-            rollout.spawn,
-            RolloutWorker,
-            settings,
-            threads,
-            each=lambda rank: {"rank": rank},
-            concurrency=STREAMED_PER_WORKER,
-            restarts=restarts,
-        )
+            rollout.spawn, RolloutWorker, settings, threads, concurrency=STREAMED_PER_WORKER, restarts=restarts,
+            **engines,
+        )  # fmt: skip
         timeout = resources.rollout.restart_timeout_s
         self.rollout = RolloutGroup(spawn, started=not defer_rollout, restart_timeout_s=timeout)
-        # The critic's ranks share the policy's bundles, as verl colocates them: a step runs their phases in turn.
-        share = 2 if settings.use_critic else 1
+        actor_pool = resources.actor
         threads = resources.threads(actor.spec.cpus, overlapped, together=actor_pool.workers)
         common = {"seed": settings.trainer.seed, "threads": threads, "total_training_steps": total_steps}
         common |= {"samples_per_prompt": settings.rollout.n, "device": settings.device}
@@ -105,8 +88,8 @@ class Cluster:
                 str(settings.model_path()),
                 settings.actor,
                 each=actor.ranks(),
-                share=share,
                 temperature=settings.rollout.temperature,
+                **ranks,
                 use_reference=settings.use_reference,
                 model_config=settings.model,
                 **common,
@@ -116,8 +99,8 @@ class Cluster:
         if settings.use_critic:
             path, critic = str(settings.model_path()), settings.critic
             common["attn_implementation"] = settings.model.attn_implementation
-            ranks = actor.spawn(Critic, path, critic, each=actor.ranks(), share=share, **common)
-            self.critic = ModelGroup(ranks, critic.ppo_mini_batch_size * settings.rollout.n)
+            workers = actor.spawn(Critic, path, critic, each=actor.ranks(), **ranks, **common)
+            self.critic = ModelGroup(workers, critic.ppo_mini_batch_size * settings.rollout.n)
         # Both pools load their models side by side; the first step's timing is then the step's.
         ray.get([worker.__ray_ready__.remote() for pool in self.pools for worker in pool.actors])
         self.weights = WeightSource(self.actor, settings.rollout.update_weights_bucket_megabytes, keep=overlapped)
@@ -128,6 +111,44 @@ class Cluster:
             if group is not None
             for rank, a in enumerate(group.ranks)
         }
+
+    def _place(self, settings: RunSettings, share: int) -> tuple[Placed, Placed]:
+        """The rollout pool and the actor pool placed (``settings.placement()``), each with what its
+        workers ask of their bundles (``Pool.spawn``'s options); colocated on GPUs, one pool for
+        both: an engine in the first bundle of its GPUs, each actor rank (and critic rank) in its
+        own, a third of the GPU each (half without a critic)."""
+        rollout, actor, placement = settings.resources.rollout, settings.resources.actor, settings.placement()
+        if not placement.hybrid:
+            engines = (rollout.workers, rollout.cpus_per_worker, rollout.gpus_per_worker, rollout.ray_resources or {})
+            ranks = (actor.workers, actor.cpus / actor.workers, actor.gpus_per_worker, actor.ray_resources or {})
+            specs = [PoolSpec("rollout", *engines), PoolSpec("actor", *ranks)]
+            Pool.check_capacity(specs)
+            for spec in specs:  # each joins ``pools`` once placed: ``close`` frees it if the next fails
+                self.pools.append(Pool(spec))
+            return (self.pools[0], {"each": lambda index: {"rank": index}}), (self.pools[1], {"share": share})
+        tp, cpus = placement.tp, actor.cpus / actor.workers
+        holds = ": colocated, each GPU's bundle holds its engine's share of resources.rollout.cpus_per_worker too"
+        spec = PoolSpec(
+            "actor", actor.workers, cpus + rollout.cpus_per_worker / tp, 1, actor.ray_resources or {}, holds
+        )
+        Pool.check_capacity([spec])
+        pool = Pool(spec)
+        self.pools.append(pool)
+        devices = pool.devices() if tp > 1 else None  # an engine's shards are its worker's processes, on these GPUs
+        nodes = ray.util.placement_group_table(pool.group)["bundles_to_node_id"]
+        for first in range(0, actor.workers, tp):
+            if len({nodes[index] for index in range(first, first + tp)}) > 1:
+                raise ConfigError(
+                    f"resources.actor.workers: engine {first // tp}'s {tp} GPUs were placed on more than one node; "
+                    f"an engine's shards need one node (tensor parallel {tp} at most the GPUs of a node)"
+                )
+
+        def engine(index: int) -> dict[str, Any]:
+            return {"rank": index // tp, "devices": ",".join(devices[index : index + tp]) if devices else None}
+
+        gpus = 1 / (share + 1)
+        engines = {"bundles": range(0, actor.workers, tp), "cpus": rollout.cpus_per_worker / tp, "gpus": gpus}
+        return (pool, {"each": engine, **engines}), (pool, {"cpus": cpus / share, "gpus": gpus})
 
     def describe(self, lost: RayActorError) -> str:
         """Which of the run's workers ``lost`` is about, and where it ran: ``the actor worker (pid 12
@@ -162,6 +183,7 @@ class PoolSpec:
     cpus: float
     gpus: float
     ray_resources: Mapping[str, float]
+    holds: str = ""  # what a bundle holds besides the pool's own workers, for the message
 
     @property
     def bundle(self) -> dict[str, float]:
@@ -176,8 +198,8 @@ class PoolSpec:
             )
         asked = " + ".join(f"{v:g} {k}" for k, v in self.bundle.items())
         return (
-            f"resources.{self.name}: the {self.name} pool needs {self.bundles} x ({asked}), which the Ray "
-            f"cluster ({_listed(cluster)}) cannot place next to the other pools"
+            f"resources.{self.name}: the {self.name} pool needs {self.bundles} x ({asked}{self.holds}), which the "
+            f"Ray cluster ({_listed(cluster)}) cannot place next to the other pools"
         )
 
 
@@ -226,20 +248,24 @@ class Pool:
         concurrency: int = 1,
         share: int = 1,
         restarts: int = 0,
+        bundles: Sequence[int] | None = None,
+        cpus: float | None = None,
+        gpus: float | None = None,
         **kwargs: Any,
     ) -> list[Any]:
-        """One ``cls`` actor per bundle, its constructor started (``__ray_ready__`` says when it is
-        done) with ``each(bundle index)`` added to its keyword arguments; ``concurrency`` calls
-        may run in one actor at a time (threads); ``share`` actors will share each bundle's CPUs
-        and GPUs; Ray restarts one that dies ``restarts`` times (its calls then fail: the caller
+        """One ``cls`` actor per bundle (of ``bundles``; all by default), its constructor started
+        (``__ray_ready__`` says when it is done) with ``each(bundle index)`` added to its keyword
+        arguments; ``concurrency`` calls may run in one actor at a time (threads); ``share``
+        actors will share each bundle's CPUs and GPUs, unless ``cpus`` and ``gpus`` say what each
+        asks; Ray restarts one that dies ``restarts`` times (its calls then fail: the caller
         redoes them). Returns the new actors, in bundle order."""
         remote = ray.remote(cls)
         new = []
-        for index in range(self.group.bundle_count):
+        for index in range(self.group.bundle_count) if bundles is None else bundles:
             strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index)
             actor = remote.options(
-                num_cpus=self.spec.cpus / share,
-                num_gpus=self.spec.gpus / share,
+                num_cpus=self.spec.cpus / share if cpus is None else cpus,
+                num_gpus=self.spec.gpus / share if gpus is None else gpus,
                 scheduling_strategy=strategy,
                 name=None,
                 max_concurrency=concurrency,
@@ -250,7 +276,21 @@ class Pool:
         self.actors.extend(new)
         return new
 
+    def devices(self) -> list[str]:
+        """The GPU id each bundle holds (Ray's, as ``CUDA_VISIBLE_DEVICES`` names it), asked of a
+        task placed in it; a bundle without GPUs gives ``""``."""
+        probes = []
+        for index in range(self.group.bundle_count):
+            strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index)
+            options = {"num_cpus": 0, "num_gpus": 1e-4 if self.spec.gpus else 0, "scheduling_strategy": strategy}
+            probes.append(ray.remote(_gpu_ids).options(**options).remote())
+        return ray.get(probes)
+
     def close(self) -> None:
         for actor in self.actors:
             ray.kill(actor)
         remove_placement_group(self.group)
+
+
+def _gpu_ids() -> str:
+    return ",".join(str(gpu) for gpu in ray.get_gpu_ids())
