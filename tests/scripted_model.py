@@ -60,10 +60,10 @@ class ScriptedBackend(RolloutBackend):
         async for _ in buckets:
             pass
 
-    async def sleep(self):
+    async def sleep(self, keep_weights=True):
         pass
 
-    async def wake_up(self):
+    async def wake_up(self, part=None):
         pass
 
     async def shutdown(self):
@@ -135,11 +135,11 @@ class HeldUntilPaused(RolloutBackend):
     async def update_weights(self, buckets):
         await self.engine.update_weights(buckets)
 
-    async def sleep(self):
-        await self.engine.sleep()
+    async def sleep(self, keep_weights=True):
+        await self.engine.sleep(keep_weights)
 
-    async def wake_up(self):
-        await self.engine.wake_up()
+    async def wake_up(self, part=None):
+        await self.engine.wake_up(part)
 
     async def shutdown(self):
         self.paused.set()
@@ -188,11 +188,11 @@ class DiesAfterSyncs(RolloutBackend):
     async def resume(self):
         await self.engine.resume()
 
-    async def sleep(self):
-        await self.engine.sleep()
+    async def sleep(self, keep_weights=True):
+        await self.engine.sleep(keep_weights)
 
-    async def wake_up(self):
-        await self.engine.wake_up()
+    async def wake_up(self, part=None):
+        await self.engine.wake_up(part)
 
     async def shutdown(self):
         await self.engine.shutdown()

@@ -83,12 +83,14 @@ class RolloutBackend(ABC):
         bucket maps names to tensors, read once (the caller frees it when asked for the next)."""
 
     @abstractmethod
-    async def sleep(self) -> None:
-        """Release accelerator memory between rollouts (a no-op where nothing is held)."""
+    async def sleep(self, keep_weights: bool = True) -> None:
+        """Release accelerator memory between rollouts (a no-op where nothing is held);
+        ``keep_weights=False``: the weights may be discarded, the next sync overwrites them all."""
 
     @abstractmethod
-    async def wake_up(self) -> None:
-        """Re-acquire what ``sleep`` released."""
+    async def wake_up(self, part: str | None = None) -> None:
+        """Re-acquire what ``sleep`` released: ``part`` ``"weights"`` (before a sync loads into
+        them), then ``"kv_cache"`` (before generating); None: everything."""
 
     @abstractmethod
     async def shutdown(self) -> None:

@@ -133,17 +133,20 @@ class HFBackend(GuardedBackend):
         async for bucket in buckets:
             await self._call(self._load, bucket)
 
-    async def sleep(self) -> None:
+    async def sleep(self, keep_weights: bool = True) -> None:
         if self._busy():
             raise RuntimeError("hf backend: sleep() with requests in flight; await or cancel them first")
         self._asleep = True
         if self.options.device.type == "cuda":
             await self._call(self._offload)
 
-    async def wake_up(self) -> None:
+    async def wake_up(self, part: str | None = None) -> None:
+        if part == "kv_cache":  # transformers' cache is allocated per request: nothing is held
+            self._asleep = False
+            return
         if self.options.device.type == "cuda":
             await self._call(self.model.to, self.options.device)
-        self._asleep = False
+        self._asleep = part == "weights"  # generating waits for the KV cache
 
     async def pause(self) -> None:
         self._paused = True

@@ -659,6 +659,17 @@ def test_a_sleeping_backend_refuses_requests_until_woken(tiny_hf_model_dir):
     assert len(generate(backend, [1, 5], max_new_tokens=2)[0].token_ids) == 2
 
 
+def test_woken_in_two_parts_the_backend_generates_only_once_its_kv_cache_is_back(tiny_hf_model_dir):
+    """The colocated order: the weights back (a sync loads into them), then the KV cache."""
+    backend = make_backend(tiny_hf_model_dir)
+    asyncio.run(backend.sleep(keep_weights=False))
+    asyncio.run(backend.wake_up("weights"))
+    with pytest.raises(RuntimeError, match="asleep"):
+        generate(backend, [1, 5], max_new_tokens=2)
+    asyncio.run(backend.wake_up("kv_cache"))
+    assert len(generate(backend, [1, 5], max_new_tokens=2)[0].token_ids) == 2
+
+
 # -- config and registration ---------------------------------------------------------------
 
 

@@ -113,17 +113,19 @@ class SGLangBackend(GuardedBackend):
         if not success:
             raise RuntimeError(f"sglang backend: update_weights failed: {message}")
 
-    async def sleep(self) -> None:
+    async def sleep(self, keep_weights: bool = True) -> None:
         from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
 
+        # the memory saver releases weights and KV cache alike; a sync then loads every weight
         if self._memory_saver():
             await self._manager("release_memory_occupation", ReleaseMemoryOccupationReqInput(), None)
 
-    async def wake_up(self) -> None:
+    async def wake_up(self, part: str | None = None) -> None:
         from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
 
         if self._memory_saver():
-            await self._manager("resume_memory_occupation", ResumeMemoryOccupationReqInput(), None)
+            request = ResumeMemoryOccupationReqInput(tags=None if part is None else [part])
+            await self._manager("resume_memory_occupation", request, None)
 
     async def pause(self) -> None:
         from sglang.srt.managers.io_struct import PauseGenerationReqInput

@@ -165,11 +165,12 @@ def resident(parts: dict[str, float], plan: Plan) -> float:
     return sum(parts[key] for key in STATE if key not in plan.parked)
 
 
-def parked(fsdp: Any, reference_offload: bool) -> tuple[str, ...]:
-    """The parts ``fsdp_config`` (and the reference's key) keep on the host between calls."""
-    keys = ("weights", "gradients") if fsdp.param_offload or fsdp.offload_policy else ()
-    keys += ("AdamW",) if fsdp.optimizer_offload or fsdp.offload_policy else ()
-    return keys + (("reference",) if reference_offload else ())
+def parked(fsdp: Any, reference_offload: bool, colocated: bool = False) -> tuple[str, ...]:
+    """The parts ``fsdp_config`` (and the reference's key) keep on the host between calls; all
+    of them when ``colocated`` (``TrainedModel._setup``)."""
+    keys = ("weights", "gradients") if fsdp.param_offload or fsdp.offload_policy or colocated else ()
+    keys += ("AdamW",) if fsdp.optimizer_offload or fsdp.offload_policy or colocated else ()
+    return keys + (("reference",) if reference_offload or colocated else ())
 
 
 def read_plans(settings: Any) -> dict[str, tuple[Shape, Plan]]:
@@ -198,7 +199,7 @@ def read_plans(settings: Any) -> dict[str, tuple[Shape, Plan]]:
                 chunk=config.chunk if actor else None,
                 entropy=actor and config.entropy_coeff != 0,
                 head=actor,
-                parked=parked(config.fsdp_config, actor and config.ref_param_offload),
+                parked=parked(config.fsdp_config, actor and config.ref_param_offload, settings.resources.colocate),
             ),
         )
     return plans

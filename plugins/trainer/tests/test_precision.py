@@ -21,7 +21,7 @@ from skip_plugin_trainer.train.policy import Policy
 BF16_LOG_PROB_ATOL = 0.1
 
 
-def policy(model_dir, checkpointing=True, dtype=None, rows=3, **settings) -> Policy:
+def policy(model_dir, checkpointing=True, dtype=None, rows=3, colocated=False, **settings) -> Policy:
     """A policy whose mini-batch is ``rows`` samples."""
     settings = {"fsdp_config": FsdpConfig(dtype=dtype), **settings}
     config = ActorConfig(
@@ -34,6 +34,7 @@ def policy(model_dir, checkpointing=True, dtype=None, rows=3, **settings) -> Pol
         temperature=0.7,
         use_reference=config.use_kl_loss,
         model_config=ModelConfig(enable_gradient_checkpointing=checkpointing),
+        colocated=colocated,
     )
 
 
@@ -157,7 +158,8 @@ def test_offloaded_weights_and_adam_state_go_to_the_host_after_each_call_and_cha
         ref_param_offload=True,
         fsdp_config=FsdpConfig(param_offload=True, optimizer_offload=True),
     )
-    for worker in (plain, offloaded):
+    colocated = policy(tiny_model_dir, use_kl_loss=True, colocated=True)  # verl's hybrid engine: no key needed
+    for worker in (plain, offloaded, colocated):
         batch = training_batch(worker, ROWS)
         batch.batch["ref_log_prob"] = worker.compute_ref_log_prob(batch).batch["ref_log_prob"]
         worker.update(batch)
@@ -169,6 +171,8 @@ def test_offloaded_weights_and_adam_state_go_to_the_host_after_each_call_and_cha
         "optimizer to device": calls,
     }
     assert offloaded.reference_offload.moves == {"weights to host": 2, "weights to device": 1}
+    assert colocated.offload.moves == offloaded.offload.moves
+    assert colocated.reference_offload.moves == offloaded.reference_offload.moves
     assert plain.offload.moves == {} and plain.reference_offload.moves == {}
     for a, b in zip(plain.model.parameters(), offloaded.model.parameters(), strict=True):
         assert torch.equal(a, b) and torch.equal(a.grad, b.grad) and b.device.type == "cpu"

@@ -71,23 +71,29 @@ def test_a_checkpoint_of_two_workers_resumes_on_one_and_continues_the_same_run(s
 
 
 def test_colocated_engines_sleep_while_the_actor_trains(sync_runs):
-    """Per step: generation, the engines asleep, the actor's update, the engines awake, the new
-    weights, the next generation (the hf engine refuses to generate asleep, so a missed wake fails
-    the run, not only this test)."""
+    """Per step, verl's order: generation, the engines asleep (their weights discarded), the
+    actor's update, the engines' weights back, the new weights, the KV cache back, the next
+    generation (the hf engine refuses to generate before its KV cache is back, so a missed wake
+    fails the run, not only this test)."""
     profile = sync_runs[1].parent.parent / "profile"
     events = []
     for path in sorted(profile.glob("step_*/worker_*.jsonl")):
         for line in path.read_text().splitlines():
             row = json.loads(line)
-            events.append((row["start"], row["start"] + row["duration_sec"], row["event"], row["step"]))
-    order = ("generate", "engine_sleep", "trainer/update_actor", "engine_wake", "weight_sync")
+            name = row["event"] + (f":{row['part']}" if row["event"] == "engine_wake" else "")
+            events.append((row["start"], row["start"] + row["duration_sec"], name, row["step"]))
+    order = ("generate", "engine_sleep", "trainer/update_actor", "engine_wake:weights", "weight_sync")
     for step in (1, 2, 3):
         spans = {name: [(s, e) for s, e, n, k in events if n == name and k == step] for name in order}
         assert all(spans.values()), {name: len(found) for name, found in spans.items()}
         last_generated = max(end for _, end in spans["generate"])
-        (sleep,), (update,), (wake,) = spans["engine_sleep"], spans["trainer/update_actor"], spans["engine_wake"]
-        assert last_generated <= sleep[0] and sleep[1] <= update[0] and update[1] <= wake[0]
-        assert wake[1] <= min(start for start, _ in spans["weight_sync"])
+        (sleep,), (update,) = spans["engine_sleep"], spans["trainer/update_actor"]
+        (weights,), synced = spans["engine_wake:weights"], max(end for _, end in spans["weight_sync"])
+        assert last_generated <= sleep[0] and sleep[1] <= update[0] and update[1] <= weights[0]
+        assert weights[1] <= min(start for start, _ in spans["weight_sync"])
+        (cache,) = [(s, e) for s, e, n, k in events if n == "engine_wake:kv_cache" and k == step]
+        following = [s for s, _, n, k in events if n == "generate" and k == step + 1]
+        assert synced <= cache[0] and all(cache[1] <= start for start in following)
 
 
 def test_bfloat16_checkpointing_and_token_budgets_on_two_workers_train_near_the_float32_run(

@@ -68,13 +68,13 @@ class VLLMBackend(GuardedBackend):
         # Cached prefixes hold keys and values computed with the old weights.
         await self._loop.run_async(self.engine.reset_prefix_cache())
 
-    async def sleep(self) -> None:
-        if self._sleep_mode():
-            await self._loop.run_async(self.engine.sleep(level=1))
+    async def sleep(self, keep_weights: bool = True) -> None:
+        if self._sleep_mode():  # level 2 discards the weights (verl's, when a sync overwrites them), 1 moves them
+            await self._loop.run_async(self.engine.sleep(level=1 if keep_weights else 2))
 
-    async def wake_up(self) -> None:
+    async def wake_up(self, part: str | None = None) -> None:
         if self._sleep_mode():
-            await self._loop.run_async(self.engine.wake_up())
+            await self._loop.run_async(self.engine.wake_up(tags=None if part is None else [part]))
 
     async def pause(self) -> None:
         # Requests running return what they have, finish reason "abort"; new ones wait for resume.

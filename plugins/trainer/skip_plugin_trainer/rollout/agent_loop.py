@@ -91,11 +91,11 @@ class AgentLoop:
         backend is done with the bucket, which the caller may then free."""
         self._loop.run(self.weights.load_bucket(bucket, index, count, version, interrupt))
 
-    def sleep(self) -> None:
-        self._loop.run(self.backend.sleep())
+    def sleep(self, keep_weights: bool = True) -> None:
+        self._loop.run(self.backend.sleep(keep_weights))
 
-    def wake_up(self) -> None:
-        self._loop.run(self.backend.wake_up())
+    def wake_up(self, part: str | None = None) -> None:
+        self._loop.run(self.backend.wake_up(part))
 
     def shutdown(self) -> None:
         """Stop the backend, then the loop thread; the agent loop is unusable afterwards."""

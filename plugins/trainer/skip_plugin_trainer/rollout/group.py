@@ -68,6 +68,7 @@ class RolloutGroup:
         self.restarts = 0
         self._step = 0  # of the last generation: the step a lost worker is named at
         self.asleep = False
+        self._discarded = False  # the engines' weights, until the next sync
         self._turn = 0
         self._lock = threading.Lock()
         self._weights: Weights | None = None  # of the last sync
@@ -250,16 +251,23 @@ class RolloutGroup:
                 return
             with spans.span("weight_sync"):
                 self._push(range(len(self.workers)), interrupt, "during a weight sync")
+            self._discarded = False
 
-    def sleep(self) -> None:
-        """Colocated engines free their device memory while the actor trains (``resources.colocate``)."""
-        self._gather("sleep", dict.fromkeys(range(len(self.workers)), ()), "while going to sleep", redo=False)
-        self.asleep = True
+    def sleep(self, keep_weights: bool = True) -> None:
+        """Colocated engines free their device memory while the actor trains (``resources.colocate``);
+        without ``keep_weights`` the weights are discarded, and only a sync brings them back."""
+        calls = dict.fromkeys(range(len(self.workers)), (keep_weights,))
+        self._gather("sleep", calls, "while going to sleep", redo=False)
+        self.asleep, self._discarded = True, not keep_weights
 
-    def wake_up(self) -> None:
-        """Before weights load or anything generates; a worker restarted meanwhile is awake already."""
-        self._gather("wake_up", dict.fromkeys(range(len(self.workers)), ()), "while waking up", redo=False)
-        self.asleep = False
+    def wake_up(self, part: str | None = None) -> None:
+        """``part`` (``"weights"``, then ``"kv_cache"``; None: both) back before weights load or anything
+        generates; a worker restarted meanwhile is awake already."""
+        if part != "weights" and self._discarded:
+            raise RuntimeError("the engines' weights were discarded at sleep: a weight sync must come first")
+        calls = dict.fromkeys(range(len(self.workers)), (part,))
+        self._gather("wake_up", calls, "while waking up", redo=False)
+        self.asleep = part == "weights"
 
     def engine_counters(self) -> dict[str, float]:
         """Every worker's engine counters (``RolloutBackend.counters``), summed."""

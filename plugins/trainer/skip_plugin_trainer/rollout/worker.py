@@ -48,13 +48,13 @@ class RolloutWorker(Located):
     def engine_counters(self) -> dict[str, float]:
         return self.loop.backend.counters()
 
-    def sleep(self) -> None:
+    def sleep(self, keep_weights: bool = True) -> None:
         with spans.span("engine_sleep", step=self.step):
-            self.loop.sleep()
+            self.loop.sleep(keep_weights)
 
-    def wake_up(self) -> None:
-        with spans.span("engine_wake", step=self.step):
-            self.loop.wake_up()
+    def wake_up(self, part: str | None = None) -> None:
+        with spans.span("engine_wake", step=self.step, part=part or "all"):
+            self.loop.wake_up(part)
 
     def shutdown(self) -> None:
         """Stop the engine and write out the spans still buffered (``ray.kill`` would lose them)."""

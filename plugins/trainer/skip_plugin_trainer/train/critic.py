@@ -40,6 +40,7 @@ class Critic(TrainedModel):
         group: Group | None = None,
         device: str = "cpu",
         attn_implementation: str | None = None,
+        colocated: bool = False,
     ) -> None:
         from transformers import AutoModelForTokenClassification
         from transformers.utils import logging as hf_logging
@@ -65,7 +66,9 @@ class Critic(TrainedModel):
             )  # fmt: skip
         finally:
             hf_logging.set_verbosity(verbosity)
-        self._setup(config, samples_per_prompt, total_training_steps, group, device, sharded=sharded)
+        self._setup(
+            config, samples_per_prompt, total_training_steps, group, device, sharded=sharded, colocated=colocated
+        )
 
     @torch.no_grad()
     @resident

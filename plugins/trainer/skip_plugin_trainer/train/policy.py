@@ -56,6 +56,7 @@ class Policy(TrainedModel):
         model_config: ModelConfig | None = None,
         group: Group | None = None,
         device: str = "cpu",
+        colocated: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
@@ -94,11 +95,13 @@ class Policy(TrainedModel):
             else:
                 reference = copy.deepcopy(self.model).to(precision.compute)
             reference = reference.requires_grad_(False).eval()
-        self._setup(config, samples_per_prompt, total_training_steps, group, device, sharded=sharded)
+        self._setup(
+            config, samples_per_prompt, total_training_steps, group, device, sharded=sharded, colocated=colocated
+        )
         if reference is not None and not sharded:
             reference = shard(reference.to(self.device))
         self.reference = reference
-        self.reference_offload = Offload(self.device, weights=config.ref_param_offload, optimizer=False)
+        self.reference_offload = Offload(self.device, weights=config.ref_param_offload or colocated, optimizer=False)
         if self.reference is not None:
             self.reference_offload.park(self.reference, None)
         self._published: dict[str, torch.Tensor] = {}  # the weights being synced, by ``publish_weights``

@@ -65,10 +65,13 @@ class TrainedModel(Located):
         group: Group | None,
         device: str,
         sharded: bool = False,
+        colocated: bool = False,
     ) -> None:
         """Join the group, move the model to ``device`` and shard it (in ``self.precision``; not
         when it was built ``sharded``), and build the optimizer over what trains (after sharding:
-        it holds the shards)."""
+        it holds the shards). ``colocated``: the weights and optimizer state go to the host between
+        calls whatever the offload keys say, as verl's hybrid engine moves them (the engine that
+        shares the GPU generates meanwhile)."""
         self.config, self.samples_per_prompt = config, samples_per_prompt
         self.device = torch.device(device)
         join(group, self.device)
@@ -83,7 +86,8 @@ class TrainedModel(Located):
         self.total_training_steps = total_training_steps  # the span of a cosine decay or a warm-up ratio
         self.lr_scheduler = lr_schedule.scheduler(self.optimizer, optim, total_training_steps)
         # FSDP2's offload keeps the shards on the host already: nothing is left to move
-        self.offload = Offload(self.device, fsdp.param_offload and not fsdp.offload_policy, fsdp.optimizer_offload)
+        weights, optimizer = fsdp.param_offload or colocated, fsdp.optimizer_offload or colocated
+        self.offload = Offload(self.device, weights and not fsdp.offload_policy, optimizer)
         self.offload.park(self.model, self.optimizer)
 
     def update(self, batch: Batch) -> dict[str, float]:

@@ -259,7 +259,7 @@ class Trainer:
         record.metrics["training/staleness_max"] = float(stale.max())
         if self.settings.resources.colocate:  # the actor gets the device; sync_weights wakes the engines
             with record.timed(SLEEP):
-                self.rollout.sleep()
+                self.rollout.sleep(keep_weights=False)  # the step's sync overwrites them (verl's level 2)
         self.phases.train(batch, record)
         self._actor_version = record.step
 
@@ -288,9 +288,12 @@ class Trainer:
     def sync_weights(self, interrupt: bool = False) -> None:
         if not interrupt and any(not future.done() for future in self._in_flight):
             raise RuntimeError("sync_weights: a generation is in flight; wait for it first")
-        if self.rollout.asleep:  # verl's order: the engine's memory back, then the new weights into it
-            self.rollout.wake_up()
+        asleep = self.rollout.asleep
+        if asleep:  # verl's order: the weights' memory back, the new weights into it, then the KV cache
+            self.rollout.wake_up("weights")
         self.rollout.update_weights(self.cluster.weights, self._actor_version, interrupt)
+        if asleep:
+            self.rollout.wake_up("kv_cache")
         self._rollout_version = self._actor_version
 
     def after_update(self, record: StepRecord, interrupt: bool = False) -> None:

@@ -82,6 +82,7 @@ class Cluster:
         threads = resources.threads(actor.spec.cpus, overlapped, together=actor_pool.workers)
         common = {"seed": settings.trainer.seed, "threads": threads, "total_training_steps": total_steps}
         common |= {"samples_per_prompt": settings.rollout.n, "device": settings.device}
+        common |= {"colocated": settings.resources.colocate}
         self.actor = ModelGroup(
             actor.spawn(
                 Policy,
