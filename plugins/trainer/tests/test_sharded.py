@@ -80,7 +80,7 @@ def test_colocated_engines_sleep_while_the_actor_trains(sync_runs):
     for path in sorted(profile.glob("step_*/worker_*.jsonl")):
         for line in path.read_text().splitlines():
             row = json.loads(line)
-            name = row["event"] + (f":{row['part']}" if row["event"] == "engine_wake" else "")
+            name = row["event"] + (f":{row['extra']['part']}" if row["event"] == "engine_wake" else "")
             events.append((row["start"], row["start"] + row["duration_sec"], name, row["step"]))
     order = ("generate", "engine_sleep", "trainer/update_actor", "engine_wake:weights", "weight_sync")
     for step in (1, 2, 3):
