@@ -183,6 +183,7 @@ class Backend(ABC, Generic[OptionsT]):
     name: str
     section: str | None
     Options: type[OptionsT]
+    verl_keys: Mapping[str, str] = {}  # verl's ``rollout.<key>`` this engine takes -> its option's name
 
     def check(self, options: OptionsT) -> None:
         """Refuse in one line naming the key what would fail in a worker (no engine installed,

@@ -6,6 +6,7 @@ backend before any work. SGLang is imported only when the backend is built.
 """
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from skip_core import hookimpl
@@ -18,6 +19,10 @@ class SGLang(Backend[SGLangOptions]):
     name = "sglang"
     section = "rollout.engine_kwargs.sglang"
     Options = SGLangOptions
+    verl_keys: Mapping[str, str] = {
+        "tensor_model_parallel_size": "tp_size",
+        "gpu_memory_utilization": "mem_fraction_static",
+    }
 
     def check(self, options: SGLangOptions) -> None:
         if "RAY_ADDRESS" not in os.environ:  # on a cluster, the workers' machines are not the driver's

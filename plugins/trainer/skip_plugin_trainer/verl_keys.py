@@ -291,7 +291,41 @@ def _total_rollout_steps(resolved: Resolved) -> None:
     _put(config, "trainer.total_training_steps", steps)
 
 
+ENGINE_KEYS = ("tensor_model_parallel_size", "gpu_memory_utilization")
+
+
+def _engine_keys(resolved: Resolved) -> None:
+    """verl's ``rollout.tensor_model_parallel_size`` and ``gpu_memory_utilization`` go to the
+    options of the engine ``rollout.backend`` names (``Backend.verl_keys``: vLLM's
+    ``tensor_parallel_size``, SGLang's ``tp_size``...). An engine without them runs on one
+    device and allocates as it generates: tensor parallelism there is refused, the memory share
+    unused."""
+    from skip_core.plugins import registry
+
+    config = resolved.config
+    name = _get(config, "rollout.backend", "hf")
+    backend = registry().backends.get(name)
+    for key in ENGINE_KEYS:
+        path = f"rollout.{key}"
+        written = resolved.written(path)
+        value = _pop(config, path)
+        if value is None or backend is None:  # an unknown backend is named when the sections are read
+            continue
+        option = backend.verl_keys.get(key)
+        if option is None or backend.section is None:
+            one_device = f"rollout.backend={name} runs each engine on one device"
+            if key == "tensor_model_parallel_size" and value != 1:
+                raise ConfigError(f"{written}: {one_device}; tensor parallelism needs rollout.backend=vllm or sglang")
+            why = f"rollout.backend={name} allocates its memory as it generates"
+            resolved.unused[written] = one_device if key == "tensor_model_parallel_size" else why
+            continue
+        target = f"{backend.section}.{option}"  # the verl path wins over skip's default, as an alias's does
+        _put(config, target, value)
+        resolved.origins[target] = written
+
+
 _MAPPINGS: list[Callable[[Resolved], None]] = [
+    _engine_keys,
     _multi_turn,
     _clip_ratio,
     _reward_manager,

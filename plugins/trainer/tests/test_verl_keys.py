@@ -80,14 +80,28 @@ def test_gpu_keys_are_accepted_with_one_warning_that_lists_them_and_change_nothi
     with pytest.warns(UnusedKeysWarning) as told:
         tuned = settings(
             "actor_rollout_ref.actor.fsdp_config.fsdp_size=2",
-            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            "actor_rollout_ref.rollout.max_num_batched_tokens=8192",
             "trainer.n_gpus_per_node=8",
             "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
         )
     assert len(told) == 1
     text = str(told[0].message)
-    assert "actor_rollout_ref.rollout.tensor_model_parallel_size" in text and "trainer.n_gpus_per_node" in text
+    assert "actor_rollout_ref.rollout.max_num_batched_tokens" in text and "trainer.n_gpus_per_node" in text
     assert tuned.dump() == plain.dump()
+
+
+def test_verls_engine_sizing_keys_go_to_the_options_of_the_engine_named():
+    tensor, memory = (
+        "actor_rollout_ref.rollout.tensor_model_parallel_size",
+        "actor_rollout_ref.rollout.gpu_memory_utilization",
+    )
+    vllm = settings("actor_rollout_ref.rollout.name=vllm", f"{tensor}=2", f"{memory}=0.7").dump()
+    engine = vllm["rollout"]["engine_kwargs"]["vllm"]
+    assert (engine["tensor_parallel_size"], engine["gpu_memory_utilization"]) == (2, 0.7)
+    with pytest.raises(ConfigError, match=rf"^{tensor}: rollout.backend=hf runs each engine on one device"):
+        settings(f"{tensor}=2")
+    with pytest.warns(UnusedKeysWarning, match=rf"{memory} \(rollout.backend=hf allocates its memory as it generates"):
+        settings(f"{tensor}=1", f"{memory}=0.7")
 
 
 def test_verls_memory_and_precision_keys_are_honoured_where_skip_reads_them():

@@ -5,6 +5,7 @@ Select it with ``rollout.backend=vllm``; engine options are the section ``rollou
 driver's check do not pay for it.
 """
 
+from collections.abc import Mapping
 from pathlib import Path
 
 from skip_core import hookimpl
@@ -17,6 +18,10 @@ class VLLM(Backend[VLLMOptions]):
     name = "vllm"
     section = "rollout.engine_kwargs.vllm"
     Options = VLLMOptions
+    verl_keys: Mapping[str, str] = {
+        "tensor_model_parallel_size": "tensor_parallel_size",
+        "gpu_memory_utilization": "gpu_memory_utilization",
+    }
 
     def check(self, options: VLLMOptions) -> None:
         check_installed()
