@@ -55,7 +55,7 @@ def check(config: Any, console: Console, command: str) -> RolloutSettings:
 def _print_memory(settings: RunSettings, console: Console) -> None:
     """The estimated memory per actor rank (``memory.py``), or why there is none: YAML comments,
     so that what ``--check`` prints stays one YAML document."""
-    from skip_plugin_trainer.memory import gib, summary
+    from skip_plugin_trainer.memory import summary
 
     where = "GPU" if settings.device == "cuda" else "CPU rank"
     try:
@@ -74,10 +74,10 @@ def _print_memory(settings: RunSettings, console: Console) -> None:
             f"#   {name}: {ranks}, {plan.compute} compute over {plan.master} weights, checkpointing "
             f"{'on' if plan.checkpointing else 'off'}, micro-batches of up to {plan.tokens:,} tokens"
         )
-    if settings.resources.colocate:
+    if settings.resources.colocate:  # the trainer's state goes to the host between its calls (verl's hybrid engine)
         lines.append(
-            f"#   colocated engines sleep during an update; while they generate, {gib(estimate.resident)} GiB of "
-            "training state stays on each device beside the engine's own share (its gpu_memory_utilization)"
+            "#   colocated engines sleep during an update; while they generate, the training state waits in host "
+            "memory and the GPU is the engine's (its gpu_memory_utilization)"
         )
     console.print("\n".join(lines), soft_wrap=True, markup=False)
 

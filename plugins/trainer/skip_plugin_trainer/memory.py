@@ -208,12 +208,10 @@ def read_plans(settings: Any) -> dict[str, tuple[Shape, Plan]]:
 @dataclass(frozen=True)
 class Summary:
     """The estimate as a table: a column per part, a row per trained model and, with two, their
-    total (they share each rank's device, and update in turn); ``resident``: the state that stays
-    on the device while a colocated engine generates; ``plans``: what was assumed."""
+    total (they share each rank's device, and update in turn); ``plans``: what was assumed."""
 
     headers: list[str]
     rows: list[list[str]]
-    resident: float
     plans: dict[str, Plan]
 
 
@@ -224,12 +222,11 @@ def summary(settings: Any) -> Summary:
         parts[name] = estimate(shape, plan)
         rows.append([name, *(gib(value) for value in parts[name].values()), gib(sum(parts[name].values()))])
     headers = ["model", *next(iter(parts.values())), "GiB"]
-    kept = sum(resident(parts[name], plans[name][1]) for name in parts)
     if len(parts) > 1:  # both models' state, and the larger working set: they update in turn
         state = sum(parts[name][key] for name in parts for key in STATE)
         peak = max(sum(p.values()) - sum(p[key] for key in STATE) for p in parts.values()) + state
         rows.append(["both", *([""] * (len(headers) - 2)), gib(peak)])
-    return Summary(headers, rows, kept, {name: plan for name, (_, plan) in plans.items()})
+    return Summary(headers, rows, {name: plan for name, (_, plan) in plans.items()})
 
 
 def gib(value: float) -> str:
