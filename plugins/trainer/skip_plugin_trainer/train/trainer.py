@@ -393,10 +393,11 @@ def run(config: Any, console: Console) -> Trainer:
         f"{trainer.settings.rollout.n} samples per step, schedule {trainer.settings.trainer.schedule}, "
         f"run directory {trainer.run_dir}"
     )
-    for line in trainer.settings.placement().lines():  # which GPU holds which rank and engine
-        console.print(line, soft_wrap=True, markup=False)
     try:
         trainer.start()
+        # Once placed: a placement Ray refuses ends in its one line, not after a table.
+        for line in trainer.settings.placement().lines():  # which GPU holds which rank and engine
+            console.print(line, soft_wrap=True, markup=False)
         trainer.fit()
     except (RayActorError, WorkerLost) as exc:  # a rollout worker Ray restarts is survived below this
         what = str(exc) if isinstance(exc, WorkerLost) else trainer.cluster.describe(exc)
