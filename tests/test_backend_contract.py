@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from skip_core.backend import SamplingParams, create_backend, one_bucket
+from safetensors.torch import load_file, save_file
+from skip_core.backend import SamplingParams, create_backend, one_bucket, untied
 from skip_core.batch import Batch
 from skip_core.plugins import registry
 from skip_core.sections import Sections, parse_sections
@@ -37,6 +37,7 @@ from skip_plugin_trainer.rollout.tools import HermesParser
 from skip_plugin_trainer.run_sections import LoopConfig, MultiTurn
 from skip_plugin_trainer.train.policy import Policy
 from transformers import AutoTokenizer
+from weight_sender import WeightSender, layouts
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=48)
 SIGQUIT = signal.getsignal(signal.SIGQUIT)  # before any engine: SGLang's sets its own
@@ -268,6 +269,48 @@ def test_weights_updated_in_place_give_what_hf_gives_for_them(loop, backend, hf,
     assert [g.token_ids for g in engine] != [g.token_ids for g in before]
     assert sum(len(g.token_ids) for g in engine) > 8 * 40, "long generations: many tokens compared"
     assert [g.token_ids for g in generate_all(loop, backend, prompts, GREEDY)] == [g.token_ids for g in before]
+
+
+def group_sync_gives_the_object_paths_outputs(loop, backend, model_dir, prompts, noisy, tmp_path) -> None:
+    """Weights broadcast over a gloo group, in buckets of three tensors, leave the engine's greedy
+    tokens and log-probs exactly those that the same weights loaded through ``update_weights`` give."""
+    state, original = untied(noisy), load_file(model_dir / "model.safetensors")
+    try:
+        loop(backend.update_weights(in_buckets(state, 3)))
+        through_objects = generate_all(loop, backend, prompts, GREEDY)
+    finally:
+        loop(backend.update_weights(one_bucket(original)))
+    receiver = backend.receiver()
+    path = tmp_path / "noisy.safetensors"
+    save_file({name: t.to(getattr(torch, receiver.dtype)) for name, t in state.items()}, path)
+    names = list(state)
+    buckets = [names[start : start + 3] for start in range(0, len(names), 3)]
+    with WeightSender(receiver.ranks) as sender:
+        sender.join()
+        loop(backend.join_weight_group(sender.group, 1))
+        sender.done()
+        sender.send(path, buckets, receiver.dtype)
+        try:
+            loop(backend.receive_weights(layouts(state, buckets, receiver.dtype)))
+            sender.done()
+            over_group = generate_all(loop, backend, prompts, GREEDY)
+        finally:
+            loop(backend.update_weights(one_bucket(original)))
+    assert [g.token_ids for g in over_group] == [g.token_ids for g in through_objects]
+    assert [g.log_probs for g in over_group] == [g.log_probs for g in through_objects]
+    assert sum(len(g.token_ids) for g in over_group) > 8 * 40, "long generations: many tokens compared"
+
+
+def test_weights_over_a_gloo_group_give_what_update_weights_gives(
+    loop, backend, tiny_model_dir, prompts, noisy, tmp_path
+):
+    group_sync_gives_the_object_paths_outputs(loop, backend, tiny_model_dir, prompts, noisy, tmp_path)
+
+
+def test_weights_over_a_gloo_group_give_what_update_weights_gives_on_hf(
+    loop, hf, tiny_model_dir, prompts, noisy, tmp_path
+):
+    group_sync_gives_the_object_paths_outputs(loop, hf, tiny_model_dir, prompts, noisy, tmp_path)
 
 
 async def until(condition: Callable[[], bool]) -> None:

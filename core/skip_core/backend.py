@@ -6,7 +6,8 @@ The agent loop sends one request per turn, many at once; a backend batches them 
 
 Cancelling the task awaiting ``generate`` aborts that request: the agent loop relies on it
 to enforce timeouts. Weights arrive in buckets (parts of the state dict, together the whole
-model once), so neither side holds a second copy of the model. ``pause``/``resume`` let an
+model once), so neither side holds a second copy of the model; an engine that joins a process
+group (``weight_group.py``) takes them as broadcasts instead. ``pause``/``resume`` let an
 asynchronous schedule swap weights under requests in flight (partial rollout); a backend that
 cannot says so when they are called.
 """
@@ -20,11 +21,14 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterator, Mapping, Seq
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel
 
 from skip_core.config import ConfigError, lookup
+
+if TYPE_CHECKING:  # torch is imported only where weights move
+    from skip_core.weight_group import Layout, Receiver, WeightGroup
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,20 @@ class RolloutBackend(ABC):
     async def update_weights(self, buckets: AsyncIterable[Mapping[str, Any]]) -> None:
         """Load new policy weights from the trainer, in place, between forward passes: each
         bucket maps names to tensors, read once (the caller frees it when asked for the next)."""
+
+    def receiver(self) -> Receiver | None:
+        """How the engine takes weights over a process group (``weight_group.py``): its processes,
+        dtype and device; None where it does not, and takes them through ``update_weights`` only."""
+        return None
+
+    async def join_weight_group(self, group: WeightGroup, rank_offset: int) -> None:
+        """Join ``group``, the engine's processes as ranks ``rank_offset`` on (one per
+        ``receiver().ranks``), leaving the group joined before; returns once all ranks have joined."""
+        raise NotImplementedError(f"rollout backend {type(self).__name__} does not join a weight group")
+
+    async def receive_weights(self, layouts: Sequence[Layout]) -> None:
+        """Load, in place, the buckets rank 0 of the joined group broadcasts: one per layout, in order."""
+        raise NotImplementedError(f"rollout backend {type(self).__name__} does not join a weight group")
 
     @abstractmethod
     async def sleep(self, keep_weights: bool = True) -> None:

@@ -22,7 +22,9 @@ from functools import cached_property
 from typing import Any, TypeVar
 
 import torch
+from skip_core import weight_group
 from skip_core.backend import FinishReason, Generation, GuardedBackend, SamplingParams
+from skip_core.weight_group import Layout, Receiver, WeightGroup
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from skip_plugin_hf.batch import Batch
@@ -93,6 +95,8 @@ class HFBackend(GuardedBackend):
         self._arrived, self._resumed, self._idle = asyncio.Event(), _event(True), _event(True)
         self._asleep = False
         self._paused = False
+        self._group: Any = None  # the weight group joined, and where its buckets arrive
+        self._group_device: Any = "cpu"
 
     @cached_property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -133,6 +137,24 @@ class HFBackend(GuardedBackend):
         async for bucket in buckets:
             await self._call(self._load, bucket)
 
+    def receiver(self) -> Receiver:
+        return Receiver(1, str(self.model.dtype).removeprefix("torch."), self.options.device.type)
+
+    async def join_weight_group(self, group: WeightGroup, rank_offset: int) -> None:
+        self._refuse_if_closed("join_weight_group")
+        # Not on the model's thread: the join waits for every rank, and generating may go on meanwhile.
+        pg = await asyncio.to_thread(weight_group.join, group, rank_offset)
+        weight_group.leave(self._group)
+        self._group, self._group_device = pg, self.options.device if group.backend == "nccl" else "cpu"
+
+    async def receive_weights(self, layouts: Sequence[Layout]) -> None:
+        self._refuse_if_closed("receive_weights")
+        if self._group is None:
+            raise RuntimeError("hf backend: receive_weights before join_weight_group")
+        buckets = weight_group.received(self._group, layouts, self._group_device)
+        while (bucket := await asyncio.to_thread(next, buckets, None)) is not None:
+            await self._call(self._load, bucket)
+
     async def sleep(self, keep_weights: bool = True) -> None:
         if self._busy():
             raise RuntimeError("hf backend: sleep() with requests in flight; await or cancel them first")
@@ -168,6 +190,7 @@ class HFBackend(GuardedBackend):
             self._abort(self._active + list(self._queue))
         if self.options.device.type == "cuda":
             await self._call(self._offload)
+        weight_group.leave(self._group)
         self._worker.shutdown(wait=False)
 
     # -- engine ---------------------------------------------------------------------------

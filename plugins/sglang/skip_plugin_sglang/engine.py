@@ -9,8 +9,10 @@ What SGLang 0.5.23's API asks for, and this backend does:
 - per-request seeds hold only with ``enable_deterministic_inference`` (otherwise SGLang ignores
   ``sampling_seed``), and in that mode a request without a seed gets a fixed one: every sample
   is therefore its own request with its own seed, drawn here when the caller gave none;
-- ``update_weights_from_tensor`` runs only between ``begin_weight_update`` and
-  ``end_weight_update``: a sync is one such session, a call per bucket, one cache flush at the end;
+- ``update_weights_from_tensor`` and ``update_weights_from_distributed`` run only between
+  ``begin_weight_update`` and ``end_weight_update``: a sync is one such session, a call per
+  bucket, one cache flush at the end; over the trainer's weight group (``skip_core.weight_group``)
+  each bucket is one broadcast SGLang reads as a ``flattened_bucket``;
 - ``Engine`` has no ``abort_request``: a cancelled request is also aborted through the tokenizer
   manager (a no-op where the manager already dropped it);
 - ``Engine.shutdown()`` SIGKILLs every child process of the process hosting the engine, and the
@@ -26,13 +28,15 @@ import os
 import random
 import signal
 import threading
-from collections.abc import AsyncIterable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 from skip_core.backend import Generation, GuardedBackend, SamplingParams, untied
 from skip_core.config import ConfigError
 from skip_core.loop_thread import LoopThread
+from skip_core.weight_group import Layout, Receiver, WeightGroup, named
 
 from skip_plugin_sglang.options import SGLangOptions, on_cpu
 
@@ -64,6 +68,7 @@ class SGLangBackend(GuardedBackend):
         self._processes = [child for child in host.children() if child.pid not in before]
         self._loop = LoopThread("skip-sglang")
         self._unseeded = random.Random()
+        self._group: str | None = None  # the weight group joined, by name
         if not options.enable_deterministic_inference:
             log.warning(
                 "sglang backend: rollout.engine_kwargs.sglang.enable_deterministic_inference=false: "
@@ -89,13 +94,19 @@ class SGLangBackend(GuardedBackend):
         return [self._generation(output, request_id) for output in outputs]
 
     async def update_weights(self, buckets: AsyncIterable[Mapping[str, Any]]) -> None:
-        from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput, EndWeightUpdateReqInput
-
         self._refuse_if_closed("update_weights")
-        await self._manager("begin_weight_update", BeginWeightUpdateReqInput(), None)
-        try:
+        async with self._weight_update():
             async for bucket in buckets:
                 await self._load(bucket)
+
+    @asynccontextmanager
+    async def _weight_update(self) -> AsyncIterator[None]:
+        """One weight-update session, the cache flushed after it."""
+        from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput, EndWeightUpdateReqInput
+
+        await self._manager("begin_weight_update", BeginWeightUpdateReqInput(), None)
+        try:
+            yield
         finally:
             await self._manager("end_weight_update", EndWeightUpdateReqInput(), None)
         await self._manager("flush_cache")  # cached prefixes hold keys and values of the old weights
@@ -112,6 +123,45 @@ class SGLangBackend(GuardedBackend):
         success, message = _outcome(await self._manager("update_weights_from_tensor", request, None))
         if not success:
             raise RuntimeError(f"sglang backend: update_weights failed: {message}")
+
+    def receiver(self) -> Receiver:
+        dtype = str(self.engine.tokenizer_manager.model_config.dtype).removeprefix("torch.")
+        return Receiver(self.options.tp_size, dtype, "cpu" if self.cpu else "cuda")
+
+    async def join_weight_group(self, group: WeightGroup, rank_offset: int) -> None:
+        from sglang.srt.managers.io_struct import DestroyWeightsUpdateGroupReqInput, InitWeightsUpdateGroupReqInput
+
+        self._refuse_if_closed("join_weight_group")
+        request = InitWeightsUpdateGroupReqInput(
+            master_address=group.address,
+            master_port=group.port,
+            rank_offset=rank_offset,
+            world_size=group.world_size,
+            group_name=group.name,
+            backend=group.backend,
+        )
+        success, message = _outcome(await self._manager("init_weights_update_group", request, None))
+        if not success:
+            raise RuntimeError(f"sglang backend: joining the weight group failed: {message}")
+        if self._group is not None:  # the group of before, whose other ranks have left it
+            leaving = DestroyWeightsUpdateGroupReqInput(group_name=self._group)
+            await self._manager("destroy_weights_update_group", leaving, None)
+        self._group = group.name
+
+    async def receive_weights(self, layouts: Sequence[Layout]) -> None:
+        from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
+
+        self._refuse_if_closed("receive_weights")
+        if self._group is None:
+            raise RuntimeError("sglang backend: receive_weights before join_weight_group")
+        async with self._weight_update():
+            for layout in layouts:  # one broadcast per bucket: the layout SGLang calls a flattened bucket
+                request = UpdateWeightsFromDistributedReqInput(
+                    **named(layout), group_name=self._group, flush_cache=False, load_format="flattened_bucket"
+                )
+                success, message = _outcome(await self._manager("update_weights_from_distributed", request, None))
+                if not success:
+                    raise RuntimeError(f"sglang backend: receive_weights failed: {message}")
 
     async def sleep(self, keep_weights: bool = True) -> None:
         from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput

@@ -14,11 +14,13 @@ import inspect
 import os
 import tempfile
 from collections.abc import AsyncIterable, Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from skip_core.backend import Generation, GuardedBackend, SamplingParams, untied
 from skip_core.loop_thread import LoopThread
+from skip_core.weight_group import Layout, Receiver, WeightGroup
 
 from skip_plugin_vllm.options import VLLMOptions
 from skip_plugin_vllm.worker import bucket_file
@@ -66,6 +68,23 @@ class VLLMBackend(GuardedBackend):
             finally:
                 loading.cancel()
         # Cached prefixes hold keys and values computed with the old weights.
+        await self._loop.run_async(self.engine.reset_prefix_cache())
+
+    def receiver(self) -> Receiver:
+        from vllm.platforms import current_platform
+
+        dtype = str(self.engine.vllm_config.model_config.dtype).removeprefix("torch.")
+        return Receiver(self.options.tensor_parallel_size, dtype, "cpu" if current_platform.is_cpu() else "cuda")
+
+    async def join_weight_group(self, group: WeightGroup, rank_offset: int) -> None:
+        self._refuse_if_closed("join_weight_group")
+        joining = self.engine.collective_rpc("skip_join_weight_group", args=(asdict(group), rank_offset))
+        await self._loop.run_async(joining)
+
+    async def receive_weights(self, layouts: Sequence[Layout]) -> None:
+        self._refuse_if_closed("receive_weights")
+        plain = [[[spec.name, spec.dtype, list(spec.shape)] for spec in layout] for layout in layouts]  # msgpack's
+        await self._loop.run_async(self.engine.collective_rpc("skip_receive_weights", args=(plain,)))
         await self._loop.run_async(self.engine.reset_prefix_cache())
 
     async def sleep(self, keep_weights: bool = True) -> None:

@@ -14,8 +14,9 @@ class WeightLoader:
     """Loads the trainer's weights in place.
 
     ``collective_rpc`` ships its arguments with msgpack, which turns a dict of tensors into nested
-    lists: the weights come as safetensors files in shared memory, one per bucket, read as they
-    arrive. ``reload_weights`` (not ``model.load_weights``) re-runs the post-load processing, which
+    lists: the weights come as broadcasts over the trainer's weight group, which each worker
+    joins, or else as safetensors files in shared memory, one per bucket, read as they arrive.
+    ``reload_weights`` (not ``model.load_weights``) re-runs the post-load processing, which
     the CPU kernels need because they repack weights after loading; it also fuses QKV and gate/up
     as a checkpoint load does, whichever buckets a layer's tensors came in.
     """
@@ -23,13 +24,40 @@ class WeightLoader:
     def skip_load_weights(self, directory: str) -> int:
         from safetensors.torch import load_file
 
+        def buckets():
+            for path in _arrivals(Path(directory)):
+                bucket = load_file(path)
+                path.unlink()  # the sender writes the next bucket once this one is gone
+                yield bucket
+
+        return self._skip_reload(buckets())
+
+    def skip_join_weight_group(self, group: dict, rank_offset: int) -> None:
+        """This worker's place in the trainer's weight group: its rank among the engine's workers
+        after the engine's offset (``skip_core.weight_group``)."""
+        from skip_core import weight_group
+
+        joined = weight_group.join(weight_group.WeightGroup(**group), rank_offset + self.rank)
+        weight_group.leave(getattr(self, "_skip_group", None))
+        self._skip_group = joined
+        self._skip_group_device = "cpu" if group["backend"] == "gloo" else self.device
+
+    def skip_receive_weights(self, layouts: list) -> int:
+        """The buckets the group's rank 0 broadcasts, one per layout, loaded as they arrive."""
+        from skip_core import weight_group
+
+        group = getattr(self, "_skip_group", None)
+        if group is None:
+            raise RuntimeError("skip_receive_weights before skip_join_weight_group")
+        buckets = weight_group.received(group, weight_group.layouts_of(layouts), self._skip_group_device)
+        return self._skip_reload(buckets)
+
+    def _skip_reload(self, buckets: Iterator[dict]) -> int:
         loaded = 0
 
         def tensors():
             nonlocal loaded
-            for path in _arrivals(Path(directory)):
-                bucket = load_file(path)
-                path.unlink()  # the sender writes the next bucket once this one is gone
+            for bucket in buckets:
                 loaded += len(bucket)
                 yield from bucket.items()
 
