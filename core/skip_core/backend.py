@@ -202,6 +202,7 @@ class Backend(ABC, Generic[OptionsT]):
     section: str | None
     Options: type[OptionsT]
     verl_keys: Mapping[str, str] = {}  # verl's ``rollout.<key>`` this engine takes -> its option's name
+    joins_weight_group = False  # its RolloutBackend takes weights over a process group (``receiver``)
 
     def check(self, options: OptionsT) -> None:
         """Refuse in one line naming the key what would fail in a worker (no engine installed,

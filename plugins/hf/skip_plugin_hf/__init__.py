@@ -16,6 +16,7 @@ class HF(Backend[HFOptions]):
     name = "hf"
     section = "rollout.hf"
     Options = HFOptions
+    joins_weight_group = True
 
     # torch and transformers take seconds to import: only when this backend is chosen, not when
     # `skip plugins` lists what is installed.

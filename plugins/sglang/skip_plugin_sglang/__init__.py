@@ -19,6 +19,7 @@ class SGLang(Backend[SGLangOptions]):
     name = "sglang"
     section = "rollout.engine_kwargs.sglang"
     Options = SGLangOptions
+    joins_weight_group = True
     verl_keys: Mapping[str, str] = {
         "tensor_model_parallel_size": "tp_size",
         "gpu_memory_utilization": "mem_fraction_static",

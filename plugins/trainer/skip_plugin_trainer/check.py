@@ -44,9 +44,8 @@ def check(config: Any, console: Console, command: str) -> RolloutSettings:
         task_rewarder(settings, tokenizer, prompt_loader(settings, tokenizer, parts.tools).dataset)
     console.print(yaml.safe_dump(settings.dump(), sort_keys=False).rstrip(), soft_wrap=True, markup=False)
     if isinstance(settings, RunSettings):
-        placement = settings.placement().lines()  # GPUs only: YAML comments, as the estimate
-        if placement:
-            console.print("\n".join(f"# {line}" for line in placement), soft_wrap=True, markup=False)
+        lines = [*settings.placement().lines(), settings.weight_sync().line()]  # YAML comments, as the estimate
+        console.print("\n".join(f"# {line}" for line in lines), soft_wrap=True, markup=False)
     if isinstance(settings, RunSettings) and not missing:
         _print_memory(settings, console)
     return settings

@@ -172,6 +172,9 @@ class RolloutConfig(Sampling):
     # A weight sync sends the model in buckets of this many MiB (verl's key): each side holds
     # about two at a time, not a second copy of the model.
     update_weights_bucket_megabytes: PositiveFloat = 512
+    # How a sync reaches the engines: broadcast over a process group (NCCL on GPUs, gloo on CPUs)
+    # or through Ray's object store; auto takes the group wherever the engines can join it.
+    weight_sync: Literal["auto", "group", "object_store"] = "auto"
 
 
 class LoopConfig(RolloutConfig):

@@ -54,6 +54,7 @@ from skip_plugin_trainer.run_sections import (
     TrainerConfig,
 )
 from skip_plugin_trainer.verl_keys import Resolved, resolve
+from skip_plugin_trainer.weight_sync import WeightSync, choose
 
 
 class UnusedKeysWarning(UserWarning):
@@ -193,6 +194,10 @@ class RunSettings(RolloutSettings):
         backend = find_backend(self.rollout.backend)
         return plan(self.resources, backend.devices(self.sections[backend.Options]), self.device)
 
+    def weight_sync(self) -> WeightSync:
+        """How weight syncs reach the engines, and why (``weight_sync.py``)."""
+        return choose(self)
+
     def check_devices(self) -> None:
         """A device the actor pool does not ask Ray for would not be there: Ray shows a worker
         only the GPUs of its bundle. The pools' GPUs must give every rank and engine its own."""
@@ -208,6 +213,7 @@ class RunSettings(RolloutSettings):
                 "(trainer.device=cpu); set trainer.device=cuda or 0 GPUs"
             )
         self.placement()  # refuses what cannot be placed, naming the key
+        self.weight_sync()
         unused = check_offloads(self)
         if unused:
             warnings.warn(unused, UnusedKeysWarning, stacklevel=4)

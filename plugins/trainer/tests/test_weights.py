@@ -58,7 +58,7 @@ def _policy(model_dir) -> Policy:
 
 def test_published_weights_are_every_distinct_tensor_once_and_kept_ones_do_not_follow_training(tiny_model_dir):
     policy = _policy(tiny_model_dir)
-    count = policy.publish_weights(0.25, keep=True)
+    count = len(policy.publish_weights(0.25, keep=True))
     buckets = [policy.weight_bucket(index) for index in range(count)]
     assert count > 4 and all(b.nbytes <= 0.25 * MEGABYTE for b in buckets if len(b.specs) > 1)
     sent = {name: tensor for bucket in buckets for name, tensor in unpack(bucket).items()}
@@ -80,7 +80,7 @@ def test_the_agent_loop_loads_buckets_into_the_engine_and_errors_leave_it_usable
     with torch.no_grad():
         for parameter in policy.model.parameters():
             parameter.mul_(1.5)
-    count = policy.publish_weights(0.25, keep=False)
+    count = len(policy.publish_weights(0.25, keep=False))
     backend = create_backend("hf", Sections(HFOptions(device="cpu")), tiny_model_dir)
     loop = make_loop(AutoTokenizer.from_pretrained(tiny_model_dir), backend)
     try:

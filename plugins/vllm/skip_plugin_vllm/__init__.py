@@ -18,6 +18,7 @@ class VLLM(Backend[VLLMOptions]):
     name = "vllm"
     section = "rollout.engine_kwargs.vllm"
     Options = VLLMOptions
+    joins_weight_group = True
     verl_keys: Mapping[str, str] = {
         "tensor_model_parallel_size": "tensor_parallel_size",
         "gpu_memory_utilization": "gpu_memory_utilization",

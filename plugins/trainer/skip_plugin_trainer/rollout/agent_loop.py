@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 import zlib
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from skip_core import spans
@@ -26,6 +26,7 @@ from skip_core.batch import Batch
 from skip_core.loop_thread import LoopThread
 from skip_core.manager import SkipManager
 from skip_core.schedule import GLOBAL_STEPS, INDEX_BASE, VALIDATE
+from skip_core.weight_group import Layout, WeightGroup
 
 from skip_plugin_trainer.data.chat import ChatFormat
 from skip_plugin_trainer.rollout.padding import ROLLOUT_LAYOUT, pad_requests
@@ -90,6 +91,13 @@ class AgentLoop:
         backend's load (pausing it, with ``interrupt``), the last finishes it. Returns once the
         backend is done with the bucket, which the caller may then free."""
         self._loop.run(self.weights.load_bucket(bucket, index, count, version, interrupt))
+
+    def join_weight_group(self, group: WeightGroup, rank_offset: int) -> None:
+        self._loop.run(self.backend.join_weight_group(group, rank_offset))
+
+    def receive_weights(self, layouts: Sequence[Layout], version: int = 0, interrupt: bool = False) -> None:
+        """The weights of step ``version`` over the joined weight group, as ``update_weights`` loads them."""
+        self._loop.run(self.weights.receive(layouts, version, interrupt))
 
     def sleep(self, keep_weights: bool = True) -> None:
         self._loop.run(self.backend.sleep(keep_weights))

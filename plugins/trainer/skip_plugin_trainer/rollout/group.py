@@ -29,6 +29,7 @@ from skip_core.manager import SkipManager
 from skip_core.schedule import GLOBAL_STEPS, INDEX_BASE, VALIDATE
 
 from skip_plugin_trainer.actors import Where
+from skip_plugin_trainer.rollout.group_sync import GroupSync
 from skip_plugin_trainer.rollout.padding import ROLLOUT_LAYOUT
 from skip_plugin_trainer.rollout.stats import merge_rollout_stats
 
@@ -61,8 +62,15 @@ class RolloutGroup:
     load the weights of the last sync first.
     """
 
-    def __init__(self, spawn: Callable[[], list[Any]], started: bool = True, restart_timeout_s: float = 600) -> None:
-        self._spawn, self._restart_timeout_s = spawn, restart_timeout_s
+    def __init__(
+        self,
+        spawn: Callable[[], list[Any]],
+        started: bool = True,
+        restart_timeout_s: float = 600,
+        group_sync: GroupSync | None = None,
+    ) -> None:
+        self._spawn, self._restart_timeout_s, self._group_sync = spawn, restart_timeout_s, group_sync
+        self.membership = 0  # counts the changes of workers: a weight group formed before must form again
         self.workers: list[Any] = []
         self.calls = 0
         self.restarts = 0
@@ -84,6 +92,7 @@ class RolloutGroup:
     def _use(self, workers: list[Any]) -> None:
         self._where = [worker.where.remote() for worker in workers]
         self.workers = workers
+        self.membership += 1
 
     def _started(self, prompts: Batch) -> list[Any]:
         with self._lock:
@@ -190,8 +199,9 @@ class RolloutGroup:
             if where == lost:  # alive all along (a transient loss), or restored by another call
                 return
             self._where[rank] = now
-            self._push([rank], False, "while it was given the weights after a restart")
+            self._push([rank], False, "while it was given the weights after a restart")  # outside any group
             self.restarts += 1
+            self.membership += 1
             version = 0 if self._weights is None else self._weights.version
             warnings.warn(
                 f"rollout worker {rank} ({lost}) was lost at step {self._step}, noticed {what}; Ray restarted "
@@ -233,6 +243,18 @@ class RolloutGroup:
             cause = str(error).splitlines()[0].rstrip(".")
             raise self._not_restarted(rank, lost, what, f"past resources.rollout.max_restarts: {cause}") from exc
 
+    def each(self, method: str, what: str) -> dict[int, Any]:
+        """``method()`` on every worker, the results by rank."""
+        return self._gather(method, dict.fromkeys(range(len(self.workers)), ()), what)
+
+    def lost(self, rank: int, error: Exception, what: str) -> WorkerLost:
+        """Worker ``rank``, lost ``what``, where nothing can wait for its restart."""
+        self._gone.add(rank)
+        cause = str(error).splitlines()[0].rstrip(".") if str(error) else type(error).__name__
+        return WorkerLost(
+            f"rollout worker {rank} ({self._lost_where(rank)}) was lost at step {self._step} {what}: {cause}"
+        )
+
     def _not_restarted(self, rank: int, lost: Where | str, what: str, cause: str) -> WorkerLost:
         self._gone.add(rank)
         return WorkerLost(
@@ -250,7 +272,10 @@ class RolloutGroup:
             if not self.workers:  # started later, under this lock, with these weights
                 return
             with spans.span("weight_sync"):
-                self._push(range(len(self.workers)), interrupt, "during a weight sync")
+                if self._group_sync is not None:
+                    self._group_sync.sync(self, source, interrupt)
+                else:
+                    self._push(range(len(self.workers)), interrupt, "during a weight sync")
             self._discarded = False
 
     def sleep(self, keep_weights: bool = True) -> None:

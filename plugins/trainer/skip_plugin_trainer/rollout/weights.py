@@ -11,19 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import warnings
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from skip_core.weight_group import Layout, TensorSpec, torch_dtype
 
 MEGABYTE = 1 << 20
-
-
-class TensorSpec(NamedTuple):
-    name: str
-    dtype: str  # a torch dtype's name: "float32", "bfloat16"
-    shape: tuple[int, ...]
 
 
 class Bucket(NamedTuple):
@@ -65,16 +60,9 @@ def unpack(bucket: Bucket) -> dict[str, torch.Tensor]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return {
-            spec.name: torch.from_numpy(array).view(_dtype(spec.dtype)).view(spec.shape)
+            spec.name: torch.from_numpy(array).view(torch_dtype(spec.dtype)).view(spec.shape)
             for spec, array in zip(bucket.specs, bucket.data, strict=True)
         }
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"a weight bucket names an unknown dtype {name!r}")
-    return dtype
 
 
 class BucketFeed:
@@ -140,14 +128,24 @@ class EngineWeights:
         if index == count - 1:
             await self._end()
 
-    async def _begin(self, interrupt: bool) -> None:
+    async def receive(self, layouts: Sequence[Layout], version: int, interrupt: bool) -> None:
+        """A whole sync over the weight group (``RolloutBackend.receive_weights``)."""
+        await self._begin(interrupt, feed=False)
+        try:
+            await self.backend.receive_weights(layouts)
+            self.version = version
+        finally:
+            await self._end()
+
+    async def _begin(self, interrupt: bool, feed: bool = True) -> None:
         if self._feed is not None:  # a sync whose sender was lost before its last bucket
             await self._end()
         if interrupt:
             self.pauses += 1
             self.ready.clear()
             await self.backend.pause()
-        self._feed = BucketFeed(self.backend.update_weights)
+        if feed:
+            self._feed = BucketFeed(self.backend.update_weights)
 
     async def _end(self) -> None:
         if self._feed is not None:

@@ -8,6 +8,7 @@ import os
 from skip_core import spans
 from skip_core.batch import Batch
 from skip_core.schedule import GLOBAL_STEPS
+from skip_core.weight_group import Layout, Receiver, WeightGroup
 
 from skip_plugin_trainer.actors import Located
 from skip_plugin_trainer.rollout.weights import Bucket, unpack
@@ -44,6 +45,16 @@ class RolloutWorker(Located):
     def load_weights_bucket(self, bucket: Bucket, index: int, count: int, version: int, interrupt: bool) -> None:
         with spans.span("weight_sync", step=self.step, bucket=index):
             self.loop.load_weights_bucket(unpack(bucket), index, count, version, interrupt)
+
+    def receiver(self) -> Receiver | None:
+        return self.loop.backend.receiver()
+
+    def join_weight_group(self, group: WeightGroup, rank_offset: int) -> None:
+        self.loop.join_weight_group(group, rank_offset)
+
+    def receive_weights(self, layouts: list[Layout], version: int, interrupt: bool) -> None:
+        with spans.span("weight_sync", step=self.step, buckets=len(layouts), via="group"):
+            self.loop.receive_weights(layouts, version, interrupt)
 
     def engine_counters(self) -> dict[str, float]:
         return self.loop.backend.counters()

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from skip_core.batch import Batch
+from skip_core.weight_group import Layout
 
 from skip_plugin_trainer.actors import settle
 from skip_plugin_trainer.train.algorithm import Totals
@@ -87,10 +88,14 @@ class WeightSource:
     def __init__(self, actor: ModelGroup, megabytes: float, keep: bool) -> None:
         self.actor, self.megabytes, self.keep = actor, megabytes, keep
         self.version = 0
-        self.count = 0
+        self.layouts: list[Layout] = []  # each bucket's tensors
+
+    @property
+    def count(self) -> int:
+        return len(self.layouts)
 
     def publish(self, version: int) -> None:
-        self.count = self.actor.call("publish_weights", self.megabytes, self.keep)[0]
+        self.layouts = self.actor.call("publish_weights", self.megabytes, self.keep)[0]
         self.version = version
 
     def buckets(self) -> Iterator[tuple[int, Any]]:

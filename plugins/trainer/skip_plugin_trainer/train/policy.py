@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 from skip_core.batch import Batch
+from skip_core.weight_group import Layout, WeightGroup
 
 from skip_plugin_trainer.algorithm_settings import ActorConfig, RolloutCorrection
-from skip_plugin_trainer.rollout.weights import Bucket, pack, plan
+from skip_plugin_trainer.rollout.weights import Bucket
 from skip_plugin_trainer.run_sections import ModelConfig
 from skip_plugin_trainer.train import lora as peft_lora
 from skip_plugin_trainer.train.algorithm import Totals, agg_loss, kl_penalty, policy_loss
@@ -27,6 +28,7 @@ from skip_plugin_trainer.train.logits import token_log_probs
 from skip_plugin_trainer.train.micro_batches import split
 from skip_plugin_trainer.train.offload import Offload, resident
 from skip_plugin_trainer.train.precision import Precision, attention, trainable
+from skip_plugin_trainer.train.published import Published, WeightSender
 from skip_plugin_trainer.train.trained import TrainedModel, UpdateMetrics, on_device
 
 
@@ -104,8 +106,8 @@ class Policy(TrainedModel):
         self.reference_offload = Offload(self.device, weights=config.ref_param_offload or colocated, optimizer=False)
         if self.reference is not None:
             self.reference_offload.park(self.reference, None)
-        self._published: dict[str, torch.Tensor] = {}  # the weights being synced, by ``publish_weights``
-        self._buckets: list[list[str]] = []
+        self._published = Published({}, 1)  # the weights being synced, by ``publish_weights``
+        self._sender: WeightSender | None = None  # rank 0's place in the weight group
 
     # -- what the trainer calls --------------------------------------------------------
 
@@ -132,24 +134,40 @@ class Policy(TrainedModel):
         return Batch({"ref_log_prob": micros.restore(torch.cat(parts)).cpu()})
 
     @resident
-    def publish_weights(self, megabytes: float, keep: bool) -> int:
-        """Make the current weights the ones ``weight_bucket`` sends, in buckets of ``megabytes``;
-        returns how many. ``keep`` snapshots them (each rank its shards): an overlapped schedule
+    def publish_weights(self, megabytes: float, keep: bool) -> list[Layout]:
+        """Make the current weights the ones a sync sends, in buckets of ``megabytes``; returns
+        their layouts. ``keep`` snapshots them (each rank its shards): an overlapped schedule
         trains on while they are sent, and a rollout worker restarted later must get these."""
         tensors = peft_lora.merged_state_dict(self.model) if self.lora else own_state(self.model)
         if keep and not self.lora:  # merged tensors are new ones already
             tensors = {name: tensor.detach().clone() for name, tensor in tensors.items()}
-        self._published = tensors
-        self._buckets = plan(((name, t.numel() * t.element_size()) for name, t in tensors.items()), megabytes)
-        return len(self._buckets)
+        self._published = Published(tensors, megabytes)
+        return self._published.layouts()
 
     @resident
     def weight_bucket(self, index: int) -> Bucket | None:
-        """Bucket ``index`` of the published weights, packed for the object store. Sharded, every
-        rank gathers the bucket's tensors (each whole tensor once, never the whole model) and
-        rank 0 returns them."""
-        tensors = {name: full(self._published[name]).detach() for name in self._buckets[index]}
-        return pack({name: tensor.cpu() for name, tensor in tensors.items()}) if self.rank == 0 else None
+        """Bucket ``index`` of the published weights, packed for the object store by rank 0."""
+        return self._published.bucket(index, self.rank == 0)
+
+    def host_weight_group(self, world_size: int, timeout_s: float) -> tuple[str, int] | None:
+        """Rank 0 hosts a new weight group (leaving the one before): where it meets."""
+        if self.rank != 0:
+            return None
+        if self._sender is not None:
+            self._sender.leave()
+        self._sender = WeightSender(world_size, timeout_s, self.device)
+        return self._sender.address, self._sender.store.port
+
+    def join_weight_group(self, group: WeightGroup) -> None:
+        if self._sender is not None:
+            self._sender.join(group)
+
+    @resident
+    def send_weights(self, dtype: str) -> None:
+        """The published weights over the weight group, in ``dtype``: every rank gathers, rank 0 broadcasts."""
+        if self.rank == 0 and (self._sender is None or self._sender.group is None):
+            raise RuntimeError("send_weights: the actor's rank 0 is in no weight group")
+        self._published.send(self._sender if self.rank == 0 else None, dtype)
 
     @resident
     def state_dict(self) -> dict[str, torch.Tensor]:

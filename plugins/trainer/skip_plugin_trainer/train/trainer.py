@@ -396,8 +396,8 @@ def run(config: Any, console: Console) -> Trainer:
     try:
         trainer.start()
         # Once placed: a placement Ray refuses ends in its one line, not after a table.
-        for line in trainer.settings.placement().lines():  # which GPU holds which rank and engine
-            console.print(line, soft_wrap=True, markup=False)
+        for line in [*trainer.settings.placement().lines(), trainer.settings.weight_sync().line()]:
+            console.print(line, soft_wrap=True, markup=False)  # which GPU holds what; how weights travel
         trainer.fit()
     except (RayActorError, WorkerLost) as exc:  # a rollout worker Ray restarts is survived below this
         what = str(exc) if isinstance(exc, WorkerLost) else trainer.cluster.describe(exc)

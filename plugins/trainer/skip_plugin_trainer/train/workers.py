@@ -22,6 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from skip_core.config import ConfigError
 
 from skip_plugin_trainer.rollout.group import RolloutGroup
+from skip_plugin_trainer.rollout.group_sync import GroupSync
 from skip_plugin_trainer.rollout.worker import RolloutWorker
 from skip_plugin_trainer.settings import RunSettings
 from skip_plugin_trainer.train.critic import Critic
@@ -77,7 +78,9 @@ class Cluster:
             **engines,
         )  # fmt: skip
         timeout = resources.rollout.restart_timeout_s
-        self.rollout = RolloutGroup(spawn, started=not defer_rollout, restart_timeout_s=timeout)
+        sync = settings.weight_sync()
+        group_sync = GroupSync(sync.backend) if sync.via == "group" else None
+        self.rollout = RolloutGroup(spawn, started=not defer_rollout, restart_timeout_s=timeout, group_sync=group_sync)
         actor_pool = resources.actor
         threads = resources.threads(actor.spec.cpus, overlapped, together=actor_pool.workers)
         common = {"seed": settings.trainer.seed, "threads": threads, "total_training_steps": total_steps}

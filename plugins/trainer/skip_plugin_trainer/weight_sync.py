@@ -1,0 +1,52 @@
+"""How a run's weight syncs reach the engines (``rollout.weight_sync``), and why.
+
+Over a process group (``skip_core.weight_group``), the actor's first rank broadcasts each bucket,
+cast to the engines' dtype, to every engine process at once: NCCL where the actor trains and the
+engines generate on GPUs of their own, gloo otherwise (colocated, an actor rank and an engine
+share a GPU, which NCCL refuses in one group: the buckets go through host memory). Through the
+object store, each bucket goes into Ray's object store once per node and every engine reads it
+from there: slower (docs/rollout.md gives what it costs per GB), but any engine takes it, and it
+is the path of a worker that joins late or is restarted between syncs. ``auto`` takes the group
+wherever it can, and says why where not.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal, NamedTuple
+
+from skip_core.config import ConfigError
+
+if TYPE_CHECKING:
+    from skip_plugin_trainer.settings import RunSettings
+
+
+class WeightSync(NamedTuple):
+    via: Literal["group", "object_store"]
+    backend: Literal["gloo", "nccl"] | None  # the group's
+    reason: str
+
+    def line(self) -> str:
+        how = f"over a {self.backend} process group" if self.via == "group" else "through Ray's object store"
+        return f"weight sync: {how} ({self.reason})"
+
+
+def choose(settings: RunSettings) -> WeightSync:
+    """The path ``rollout.weight_sync`` asks for, or a ConfigError naming the key where it cannot be had."""
+    from skip_core.backend import find_backend
+
+    asked = settings.rollout.weight_sync
+    key = f"rollout.weight_sync={asked}"
+    if asked == "object_store":
+        return WeightSync("object_store", None, key)
+    engine = settings.rollout.backend
+    gpus = settings.device == "cuda" and settings.resources.rollout.gpus_per_worker > 0
+    if not find_backend(engine).joins_weight_group:
+        why_not = f"the {engine} backend takes weights only through update_weights"
+        if asked == "group":
+            raise ConfigError(f"rollout.weight_sync: group is not possible: {why_not}; allowed: auto, object_store")
+        return WeightSync("object_store", None, f"{key}: {why_not}")
+    if gpus and settings.resources.colocate:
+        where = "colocated on GPUs, where NCCL refuses two ranks of one group on one GPU: through host memory"
+        return WeightSync("group", "gloo", f"{key}: the {engine} engines join it, {where}")
+    where = "the actor and the engines on GPUs" if gpus else "the weights on CPUs"
+    return WeightSync("group", "nccl" if gpus else "gloo", f"{key}: the {engine} engines join it, {where}")
