@@ -4,7 +4,8 @@
 tokenizer; the loop, chat format, parser, tools and padding it drives are the real ones.
 ``HeldUntilPaused`` is the real ``hf`` engine whose first request waits for the first pause,
 for runs on Ray (``rollout.backend=held_hf``); ``DiesAfterSyncs`` (``dying_hf``) kills its worker
-process mid-generation once. Light to import: Ray workers import it at start.
+process mid-generation once (``dying_group_hf``: the same, taking weights over the weight
+group). Light to import: Ray workers import it at start.
 """
 
 import asyncio
@@ -101,6 +102,9 @@ HELD = "held_hf"
 ENGINES = ("vllm", "sglang")  # held_vllm, held_sglang: built only where the engine is installed
 DYING = "dying_hf"
 DYING_IN_SYNC = "dying_in_sync_hf"
+# The same, taking weights over the weight group (the others take them through the object store).
+DYING_GROUP = "dying_group_hf"
+DYING_IN_GROUP_SYNC = "dying_in_group_sync_hf"
 
 
 class HeldUntilPaused(RolloutBackend):
@@ -157,6 +161,20 @@ class DiesAfterSyncs(RolloutBackend):
     def __init__(self, engine: RolloutBackend, syncs: int = 1, in_sync: bool = False) -> None:
         self.engine, self.syncs, self.in_sync = engine, syncs, in_sync
 
+    def receiver(self):
+        return self.engine.receiver()
+
+    async def join_weight_group(self, group, rank_offset):
+        await self.engine.join_weight_group(group, rank_offset)
+
+    async def receive_weights(self, layouts):
+        """Over a weight group, ``in_sync`` dies before it receives anything: the trainer's
+        broadcast then meets a rank that is gone."""
+        self.syncs -= 1
+        if self.syncs < 0 and self.in_sync:
+            self._die()
+        await self.engine.receive_weights(layouts)
+
     @staticmethod
     def _die() -> None:
         import os
@@ -210,8 +228,9 @@ class Held(Backend):
 
     section = None  # it reads the wrapped backend's
 
-    def __init__(self, name: str, backend: str, wrapper: type = HeldUntilPaused) -> None:
+    def __init__(self, name: str, backend: str, wrapper: type = HeldUntilPaused, joins: bool = False) -> None:
         self.name, self.backend, self.wrapper = name, backend, wrapper
+        self.joins_weight_group = joins  # the wrapper passes the group's calls on to the engine
 
     @property
     def Options(self):  # the wrapped backend's
@@ -232,6 +251,8 @@ class _HeldPlugin:
             register(Held(f"held_{engine}", engine))
         register(Held(DYING, "hf", DiesAfterSyncs))
         register(Held(DYING_IN_SYNC, "hf", functools.partial(DiesAfterSyncs, syncs=0, in_sync=True)))
+        register(Held(DYING_GROUP, "hf", DiesAfterSyncs, joins=True))
+        register(Held(DYING_IN_GROUP_SYNC, "hf", functools.partial(DiesAfterSyncs, syncs=0, in_sync=True), joins=True))
 
 
 def register_held_backend() -> None:

@@ -55,6 +55,7 @@ def uninterrupted(task_dir, tmp_path_factory):
         ("one_step_off", "dying_hf", "while generating"),
         ("one_step_off", "dying_in_sync_hf", "during a weight sync"),
         ("fully_async", "dying_hf", r"while generating sample_0_\d+"),
+        ("sync", "dying_group_hf", "while generating"),
     ],
 )
 def test_a_rollout_worker_killed_mid_generation_or_mid_sync_is_restarted_and_the_run_unchanged(
@@ -69,6 +70,8 @@ def test_a_rollout_worker_killed_mid_generation_or_mid_sync_is_restarted_and_the
     with pytest.warns(RuntimeWarning, match=lost):
         trainer, _ = train(task_dir, tmp_path / "killed", *RUN, *schedule, buckets, f"rollout.backend={backend}")
     assert trainer.rollout.restarts == 1 and trainer.rollout.calls == calls
+    if backend == "dying_group_hf":  # given the weights through the object store, then in a new group
+        assert trainer.rollout.group_sync.formed == 2
     killed = metrics(tmp_path / "killed" / "run")
     assert [row["step"] for row in killed] == [1, 2]
     for a, b in zip(whole, killed, strict=True):
@@ -118,4 +121,17 @@ def test_a_rollout_worker_lost_past_its_restarts_stops_the_run_with_one_line(
     assert re.match(
         lost + "noticed while generating, and Ray did not restart it: past resources.rollout.max_restarts", line
     )
+    assert line.endswith("(HYDRA_FULL_ERROR=1 shows the traceback)")
+
+
+def test_a_rollout_worker_lost_during_a_sync_over_the_weight_group_stops_the_run_with_one_line(
+    ray_session, held_backend, task_dir, tmp_path
+):
+    """The trainer's broadcast cannot go on without one of the group's ranks: the run stops, naming the worker."""
+    more = ("rollout.backend=dying_in_group_sync_hf",)
+    result = CliRunner().invoke(cli, ["run", "--config-dir", str(CONFIGS), *overrides(task_dir, tmp_path, *RUN, *more)])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    (line,) = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    lost = r"Error: skip run stopped at step 1: rollout worker 0 \(pid \d+ on node \S+ \(\w+\)\) was lost at step 1 "
+    assert re.match(lost + "during a weight sync over the process group: The actor died", line), line
     assert line.endswith("(HYDRA_FULL_ERROR=1 shows the traceback)")

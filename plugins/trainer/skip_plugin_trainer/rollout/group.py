@@ -69,7 +69,7 @@ class RolloutGroup:
         restart_timeout_s: float = 600,
         group_sync: GroupSync | None = None,
     ) -> None:
-        self._spawn, self._restart_timeout_s, self._group_sync = spawn, restart_timeout_s, group_sync
+        self._spawn, self._restart_timeout_s, self.group_sync = spawn, restart_timeout_s, group_sync
         self.membership = 0  # counts the changes of workers: a weight group formed before must form again
         self.workers: list[Any] = []
         self.calls = 0
@@ -272,8 +272,8 @@ class RolloutGroup:
             if not self.workers:  # started later, under this lock, with these weights
                 return
             with spans.span("weight_sync"):
-                if self._group_sync is not None:
-                    self._group_sync.sync(self, source, interrupt)
+                if self.group_sync is not None:
+                    self.group_sync.sync(self, source, interrupt)
                 else:
                     self._push(range(len(self.workers)), interrupt, "during a weight sync")
             self._discarded = False

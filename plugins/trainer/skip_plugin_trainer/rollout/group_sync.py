@@ -11,6 +11,7 @@ one ends the run, in one line naming it: the broadcast it was part of cannot go 
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +35,8 @@ class GroupSync:
         self.backend = backend
         self.dtype: str | None = None  # the engines', which the buckets are cast to
         self._formed_for: int | None = None  # the workers' membership when the group was formed
-        self._formed = 0
+        self.formed = 0  # groups formed so far
+        self._run = uuid.uuid4().hex[:8]
 
     def sync(self, group: RolloutGroup, source: WeightSource, interrupt: bool) -> None:
         if self._formed_for != group.membership:
@@ -55,8 +57,9 @@ class GroupSync:
         self.dtype = dtypes.pop()
         world_size = 1 + sum(receiver.ranks for receiver in receivers.values())
         address, port = source.actor.call("host_weight_group", world_size, TIMEOUT_S)[0]
-        self._formed += 1
-        spec = WeightGroup(address, port, world_size, self.backend, f"skip-weights-{self._formed}", TIMEOUT_S)
+        self.formed += 1
+        name = f"skip-weights-{self._run}-{self.formed}"  # torch takes a group's name once per process
+        spec = WeightGroup(address, port, world_size, self.backend, name, TIMEOUT_S)
         joining, offset = {}, 1
         for rank, worker in enumerate(group.workers):
             joining[rank] = worker.join_weight_group.remote(spec, offset)
@@ -80,16 +83,18 @@ class GroupSync:
                 self._formed_for = None  # its ranks may be gone or stuck: form it again
                 settled, _ = ray.wait(list(receiving.values()), num_returns=len(receiving), timeout=LOST_WITHIN_S)
                 for rank, worker_ref in receiving.items():
-                    if worker_ref in settled and _lost(worker_ref):
-                        raise group.lost(rank, error, what) from error
+                    death = _death(worker_ref) if worker_ref in settled else None
+                    if death is not None:  # named for itself, not by the broadcast it broke
+                        raise group.lost(rank, death, what) from error
                 raise
 
 
-def _lost(ref: Any) -> bool:
+def _death(ref: Any) -> RayActorError | None:
+    """How the worker of a settled call died, if it did (its own error leaves it alive)."""
     try:
         ray.get(ref)
-    except RayActorError:
-        return True
-    except Exception:  # the worker's own error: it is alive
-        return False
-    return False
+    except RayActorError as death:
+        return death
+    except Exception:
+        return None
+    return None
