@@ -247,10 +247,9 @@ class RolloutGroup:
         """``method()`` on every worker, the results by rank."""
         return self._gather(method, dict.fromkeys(range(len(self.workers)), ()), what)
 
-    def lost(self, rank: int, error: Exception, what: str) -> WorkerLost:
+    def lost(self, rank: int, what: str, cause: str) -> WorkerLost:
         """Worker ``rank``, lost ``what``, where nothing can wait for its restart."""
         self._gone.add(rank)
-        cause = str(error).splitlines()[0].rstrip(".") if str(error) else type(error).__name__
         return WorkerLost(
             f"rollout worker {rank} ({self._lost_where(rank)}) was lost at step {self._step} {what}: {cause}"
         )

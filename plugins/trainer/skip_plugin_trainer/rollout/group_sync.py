@@ -83,18 +83,18 @@ class GroupSync:
                 self._formed_for = None  # its ranks may be gone or stuck: form it again
                 settled, _ = ray.wait(list(receiving.values()), num_returns=len(receiving), timeout=LOST_WITHIN_S)
                 for rank, worker_ref in receiving.items():
-                    death = _death(worker_ref) if worker_ref in settled else None
-                    if death is not None:  # named for itself, not by the broadcast it broke
-                        raise group.lost(rank, death, what) from error
+                    if worker_ref in settled and _died(worker_ref):  # named, not the broadcast it broke
+                        cause = "its process died, and the broadcast cannot go on without it"
+                        raise group.lost(rank, what, cause) from error
                 raise
 
 
-def _death(ref: Any) -> RayActorError | None:
-    """How the worker of a settled call died, if it did (its own error leaves it alive)."""
+def _died(ref: Any) -> bool:
+    """Whether the worker of a settled call died (its own error leaves it alive)."""
     try:
         ray.get(ref)
-    except RayActorError as death:
-        return death
+    except RayActorError:
+        return True
     except Exception:
-        return None
-    return None
+        return False
+    return False
