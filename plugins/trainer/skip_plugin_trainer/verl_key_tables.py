@@ -37,6 +37,9 @@ ALIASES: dict[str, str] = {
     "actor.fsdp_config.entropy_from_logits_chunk_size": "actor.entropy_from_logits_chunk_size",
     "actor.fsdp_config.entropy_checkpointing": "actor.entropy_checkpointing",
     "model.override_config.attn_implementation": "model.attn_implementation",
+    # verl 0.9's weight sync: its backend's value is mapped (``verl_keys._checkpoint_engine``)
+    "rollout.checkpoint_engine.backend": "rollout.weight_sync",
+    "rollout.checkpoint_engine.update_weights_bucket_megabytes": "rollout.update_weights_bucket_megabytes",
     "critic.model.enable_gradient_checkpointing": "critic.enable_gradient_checkpointing",
     "critic.model.fsdp_config": "critic.fsdp_config",
     "trainer.max_actor_ckpt_to_keep": "trainer.max_ckpt_to_keep",

@@ -324,7 +324,26 @@ def _engine_keys(resolved: Resolved) -> None:
         resolved.origins[target] = written
 
 
+CHECKPOINT_ENGINES = {"naive": "auto", "nccl": "group"}
+
+
+def _checkpoint_engine(resolved: Resolved) -> None:
+    """verl's ``rollout.checkpoint_engine.backend``, as ``rollout.weight_sync``: ``naive`` (verl's
+    colocated default) leaves the choice to skip, ``nccl`` asks for the process group."""
+    written = resolved.origins.get("rollout.weight_sync", "")
+    if not written.endswith("checkpoint_engine.backend"):
+        return
+    value = _get(resolved.config, "rollout.weight_sync")
+    if value not in CHECKPOINT_ENGINES:
+        raise ConfigError(
+            f"{written}: {value!r} is not implemented; allowed: naive (skip chooses, rollout.weight_sync=auto) "
+            "or nccl (a process group, rollout.weight_sync=group)"
+        )
+    _put(resolved.config, "rollout.weight_sync", CHECKPOINT_ENGINES[value])
+
+
 _MAPPINGS: list[Callable[[Resolved], None]] = [
+    _checkpoint_engine,
     _engine_keys,
     _multi_turn,
     _clip_ratio,

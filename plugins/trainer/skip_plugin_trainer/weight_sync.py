@@ -38,15 +38,16 @@ def choose(settings: RunSettings) -> WeightSync:
     key = f"rollout.weight_sync={asked}"
     if asked == "object_store":
         return WeightSync("object_store", None, key)
-    engine = settings.rollout.backend
-    gpus = settings.device == "cuda" and settings.resources.rollout.gpus_per_worker > 0
+    engine, resources = settings.rollout.backend, settings.resources
+    on_gpus = settings.device == "cuda"  # the actor; colocated, the engines share its GPUs
     if not find_backend(engine).joins_weight_group:
         why_not = f"the {engine} backend takes weights only through update_weights"
         if asked == "group":
             raise ConfigError(f"rollout.weight_sync: group is not possible: {why_not}; allowed: auto, object_store")
         return WeightSync("object_store", None, f"{key}: {why_not}")
-    if gpus and settings.resources.colocate:
+    if on_gpus and resources.colocate:
         where = "colocated on GPUs, where NCCL refuses two ranks of one group on one GPU: through host memory"
         return WeightSync("group", "gloo", f"{key}: the {engine} engines join it, {where}")
-    where = "the actor and the engines on GPUs" if gpus else "the weights on CPUs"
-    return WeightSync("group", "nccl" if gpus else "gloo", f"{key}: the {engine} engines join it, {where}")
+    if on_gpus and resources.rollout.gpus_per_worker > 0:
+        return WeightSync("group", "nccl", f"{key}: the {engine} engines join it, the actor and the engines on GPUs")
+    return WeightSync("group", "gloo", f"{key}: the {engine} engines join it, the actor or the engines on CPUs")

@@ -104,6 +104,15 @@ def test_verls_engine_sizing_keys_go_to_the_options_of_the_engine_named():
         settings(f"{tensor}=1", f"{memory}=0.7")
 
 
+def test_verls_checkpoint_engine_chooses_the_weight_sync():
+    engine = "actor_rollout_ref.rollout.checkpoint_engine"
+    nccl = settings(f"+{engine}.backend=nccl", f"+{engine}.update_weights_bucket_megabytes=64").dump()["rollout"]
+    assert (nccl["weight_sync"], nccl["update_weights_bucket_megabytes"]) == ("group", 64)
+    assert settings(f"+{engine}.backend=naive").dump()["rollout"]["weight_sync"] == "auto"
+    with pytest.raises(ConfigError, match=rf"^{engine}.backend: 'nixl' is not implemented; allowed: naive \(skip"):
+        settings(f"+{engine}.backend=nixl")
+
+
 def test_verls_memory_and_precision_keys_are_honoured_where_skip_reads_them():
     s = settings(
         "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
@@ -278,6 +287,7 @@ def test_check_prints_the_resolved_settings_and_starts_nothing(tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert re.search(r"^rollout:\n(  .*\n)*  n: 8$", result.output, re.M)
+    assert "\n# weight sync: over a gloo process group (rollout.weight_sync=auto: " in result.output
     assert not run_dir.exists()
 
 
