@@ -5,7 +5,8 @@ move between the nodes as between machines. The rollout pool asks for ``node_b``
 the worker node offers, and the actor pool for ``node_a``. The run, cache and profile directories
 lie under the test's directory, which both nodes see, as on NFS. The driver runs on the head.
 Every engine (``hf``, ``vllm`` and ``sglang``, on CPU through tests/sglang_cpu) samples across
-the nodes with the weights the trainer sent over; the overlapped schedules cross them on ``hf``
+the nodes with the weights the trainer sent over, broadcast over the weight group (one run through
+the object store instead); the overlapped schedules cross them on ``hf``
 (what they ask of an engine, pause, resume and weights loaded under requests in flight, is
 test_engine_commands.py's, on each engine); a third node, lost mid-run, stops the run.
 
@@ -74,7 +75,8 @@ def test_sync_on_an_engine_across_two_nodes_samples_with_the_trainers_weights(cl
     0: the entropy bonus and the KL loss make step 1's update move the weights, which go to the
     other node in buckets of 0.5 MiB for step 2 to sample from."""
     weights = ("rollout.update_weights_bucket_megabytes=0.5", "actor.entropy_coeff=0.01", "actor.use_kl_loss=true")
-    skip_run(cluster, task_dir, tmp_path, *RUN, *engine, *weights)
+    out = skip_run(cluster, task_dir, tmp_path, *RUN, *engine, *weights)
+    assert "weight sync: over a gloo process group" in out  # the trainer's rank 0 on one node, the engine on the other
     rows = metrics(tmp_path / "run")
     assert [row["step"] for row in rows] == [1, 2]
     # |engine prob - trainer prob| of the sampled tokens, measured in process: mean 5e-9, max 1e-7
@@ -86,8 +88,10 @@ def test_sync_on_an_engine_across_two_nodes_samples_with_the_trainers_weights(cl
         assert row["response_length/mean"] > 0
 
 
-def test_one_step_off_across_two_nodes(cluster, task_dir, tmp_path):
-    skip_run(cluster, task_dir, tmp_path, *RUN, "trainer.schedule=one_step_off")
+def test_one_step_off_across_two_nodes_through_the_object_store(cluster, task_dir, tmp_path):
+    objects = ("trainer.schedule=one_step_off", "rollout.weight_sync=object_store")
+    out = skip_run(cluster, task_dir, tmp_path, *RUN, *objects)
+    assert "weight sync: through Ray's object store" in out
     assert [row["training/staleness"] for row in metrics(tmp_path / "run")] == [0.0, 1.0]
 
 
