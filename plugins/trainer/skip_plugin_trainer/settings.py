@@ -196,7 +196,7 @@ class RunSettings(RolloutSettings):
 
     def weight_sync(self) -> WeightSync:
         """How weight syncs reach the engines, and why (``weight_sync.py``)."""
-        return choose(self)
+        return choose(self.rollout.weight_sync, self.rollout.backend, self.device, self.resources)
 
     def check_devices(self) -> None:
         """A device the actor pool does not ask Ray for would not be there: Ray shows a worker

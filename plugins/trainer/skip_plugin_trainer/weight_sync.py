@@ -12,12 +12,11 @@ wherever it can, and says why where not.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 from skip_core.config import ConfigError
 
-if TYPE_CHECKING:
-    from skip_plugin_trainer.settings import RunSettings
+from skip_plugin_trainer.run_sections import Resources
 
 
 class WeightSync(NamedTuple):
@@ -30,16 +29,15 @@ class WeightSync(NamedTuple):
         return f"weight sync: {how} ({self.reason})"
 
 
-def choose(settings: RunSettings) -> WeightSync:
-    """The path ``rollout.weight_sync`` asks for, or a ConfigError naming the key where it cannot be had."""
+def choose(asked: str, engine: str, device: str, resources: Resources) -> WeightSync:
+    """The path ``rollout.weight_sync`` (``asked``) gives the engine ``rollout.backend`` names, the
+    actor on ``device``, or a ConfigError naming the key where it cannot be had."""
     from skip_core.backend import find_backend
 
-    asked = settings.rollout.weight_sync
     key = f"rollout.weight_sync={asked}"
     if asked == "object_store":
         return WeightSync("object_store", None, key)
-    engine, resources = settings.rollout.backend, settings.resources
-    on_gpus = settings.device == "cuda"  # the actor; colocated, the engines share its GPUs
+    on_gpus = device == "cuda"  # the actor; colocated, the engines share its GPUs
     if not find_backend(engine).joins_weight_group:
         why_not = f"the {engine} backend takes weights only through update_weights"
         if asked == "group":

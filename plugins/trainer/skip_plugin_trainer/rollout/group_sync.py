@@ -13,19 +13,34 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import ray
 from ray.exceptions import RayActorError
 from skip_core.weight_group import Layout, Receiver, WeightGroup
 
-if TYPE_CHECKING:
-    from skip_plugin_trainer.rollout.group import RolloutGroup
-    from skip_plugin_trainer.train.model_group import WeightSource
-
 log = logging.getLogger(__name__)
 TIMEOUT_S = 600.0  # a collective of the group waits this long for its other ranks
 LOST_WITHIN_S = 30  # after a sync fails, how long a lost worker may take to be seen as lost
+
+
+class Members(Protocol):
+    """The rollout workers, as ``RolloutGroup`` holds them: ``membership`` changes with them."""
+
+    workers: list[Any]
+    membership: int
+
+    def each(self, method: str, what: str) -> dict[int, Any]: ...
+
+    def lost(self, rank: int, what: str, cause: str) -> Exception: ...
+
+
+class Source(Protocol):
+    """The actor's published weights (``train.model_group.WeightSource``)."""
+
+    actor: Any
+    layouts: list[Layout]
+    version: int
 
 
 class GroupSync:
@@ -38,7 +53,7 @@ class GroupSync:
         self.formed = 0  # groups formed so far
         self._run = uuid.uuid4().hex[:8]
 
-    def sync(self, group: RolloutGroup, source: WeightSource, interrupt: bool) -> None:
+    def sync(self, group: Members, source: Source, interrupt: bool) -> None:
         if self._formed_for != group.membership:
             self._form(group, source)
         layouts: list[Layout] = [tuple(spec._replace(dtype=self.dtype) for spec in layout) for layout in source.layouts]
@@ -49,7 +64,7 @@ class GroupSync:
         }
         self._settle(group, sending, receiving, "during a weight sync over the process group")
 
-    def _form(self, group: RolloutGroup, source: WeightSource) -> None:
+    def _form(self, group: Members, source: Source) -> None:
         receivers: Mapping[int, Receiver] = group.each("receiver", "while saying how it takes weights")
         dtypes = {receiver.dtype for receiver in receivers.values()}
         if len(dtypes) != 1:
@@ -72,7 +87,7 @@ class GroupSync:
             spec.name, world_size - 1, self.backend, address, port, self.dtype,
         )  # fmt: skip
 
-    def _settle(self, group: RolloutGroup, sending: list[Any], receiving: dict[int, Any], what: str) -> None:
+    def _settle(self, group: Members, sending: list[Any], receiving: dict[int, Any], what: str) -> None:
         """Wait for every party; a failure fails the sync, naming a worker lost meanwhile if there is one."""
         pending = [*sending, *receiving.values()]
         while pending:  # the first failure at once: the others may wait for the party that failed
