@@ -30,7 +30,7 @@ def trained(worker: Policy, updates: int = 2):
 
 def published(worker: Policy) -> dict[str, torch.Tensor]:
     worker.publish_weights(512, keep=True)
-    return dict(worker._published)
+    return dict(worker._published.tensors)
 
 
 def test_only_the_adapters_train_and_the_engines_get_the_merged_weights(tiny_model_dir):
