@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from skip_core.weight_group import WeightGroup
 from skip_plugin_trainer.diff.compare import compare
 from skip_plugin_trainer.train.train_data import read_train_data
 from training import metrics, train
@@ -186,7 +187,8 @@ def test_a_device_or_worker_count_the_run_cannot_have_fails_in_one_line(
 
 def test_a_weight_sync_from_two_ranks_gathers_one_bucket_at_a_time(ray_session, tiny_model_dir):
     """Each rank snapshots only its shards; each bucket is gathered on its own and handed over by
-    rank 0; together the buckets are the unsharded model's weights, bit for bit."""
+    rank 0, through the object store or broadcast over a weight group; together the buckets are
+    the unsharded model's weights, bit for bit (cast to the engines' dtype over the group)."""
     import ray
     from skip_plugin_trainer.algorithm_settings import ActorConfig
     from skip_plugin_trainer.rollout.weights import MEGABYTE, unpack
@@ -211,7 +213,7 @@ def test_a_weight_sync_from_two_ranks_gathers_one_bucket_at_a_time(ray_session, 
         assert source.count >= 4
 
         def held(policy):  # the bytes of the snapshot a rank keeps: its shards
-            return sum(t.to_local().numel() * t.element_size() for t in policy._published.values())
+            return sum(t.to_local().numel() * t.element_size() for t in policy._published.tensors.values())
 
         assert all(ray.get(rank.__ray_call__.remote(held)) < 0.6 * total for rank in ranks)
         received = {}
@@ -222,9 +224,33 @@ def test_a_weight_sync_from_two_ranks_gathers_one_bucket_at_a_time(ray_session, 
         assert received.keys() == expected.keys()
         assert all(torch.equal(received[name], expected[name]) for name in expected)
         assert ray.get(group.submit("weight_bucket", 0)[1]) is None  # rank 1 gathers, rank 0 hands over
+
+        # Over a weight group: both ranks gather each bucket, rank 0 broadcasts it, cast to bfloat16.
+        address, port = group.call("host_weight_group", 2, 60.0)[0]
+        spec = WeightGroup(address, port, 2, "gloo", "test-sharded-sync", 60.0)
+        receiver = ray.remote(_Receiver).options(num_cpus=0).remote()
+        ray.get([receiver.join.remote(spec), *group.submit("join_weight_group", spec)])
+        layouts = [tuple(t._replace(dtype="bfloat16") for t in layout) for layout in source.layouts]
+        broadcast = ray.get([receiver.receive.remote(layouts), *group.submit("send_weights", "bfloat16")])[0]
+        assert broadcast.keys() == expected.keys()
+        assert all(torch.equal(broadcast[name], expected[name].to(torch.bfloat16)) for name in expected)
     finally:
         for rank in ranks:
             ray.kill(rank)
+
+
+class _Receiver:
+    """An engine's process in the weight group, as rank 1: what it receives, whole."""
+
+    def join(self, spec) -> None:
+        from skip_core import weight_group
+
+        self.pg = weight_group.join(spec, 1)
+
+    def receive(self, layouts) -> dict:
+        from skip_core import weight_group
+
+        return {name: t.clone() for bucket in weight_group.received(self.pg, layouts) for name, t in bucket.items()}
 
 
 def test_check_refuses_what_the_run_would(task_dir, tmp_path):
