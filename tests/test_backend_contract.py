@@ -273,7 +273,9 @@ def test_weights_updated_in_place_give_what_hf_gives_for_them(loop, backend, hf,
 
 def group_sync_gives_the_object_paths_outputs(loop, backend, model_dir, prompts, noisy, tmp_path) -> None:
     """Weights broadcast over a gloo group, in buckets of three tensors, leave the engine's greedy
-    tokens and log-probs exactly those that the same weights loaded through ``update_weights`` give."""
+    tokens exactly those that the same weights loaded through ``update_weights`` give, and its
+    log-probs within float32's noise: an engine's batching varies from call to call and with it
+    the order of its sums (1e-7 apart; a weight off by bfloat16's rounding moves them by 1e-3)."""
     state, original = untied(noisy), load_file(model_dir / "model.safetensors")
     try:
         loop(backend.update_weights(in_buckets(state, 3)))
@@ -297,7 +299,8 @@ def group_sync_gives_the_object_paths_outputs(loop, backend, model_dir, prompts,
         finally:
             loop(backend.update_weights(one_bucket(original)))
     assert [g.token_ids for g in over_group] == [g.token_ids for g in through_objects]
-    assert [g.log_probs for g in over_group] == [g.log_probs for g in through_objects]
+    for group, objects in zip(over_group, through_objects, strict=True):
+        assert group.log_probs == pytest.approx(objects.log_probs, abs=1e-5)
     assert sum(len(g.token_ids) for g in over_group) > 8 * 40, "long generations: many tokens compared"
 
 
