@@ -8,8 +8,11 @@ anything else, and asks it again for what it was doing. A batch part is seeded b
 the redone part is the one an uninterrupted run gets. A worker Ray cannot restart is a
 ``WorkerLost``, which names it.
 
-Weights move in buckets (``rollout/weights.py``): the actor puts each into the object store once,
-one bucket ahead of the workers loading the one before, so a sync holds two buckets at most.
+Weights move in buckets (``rollout/weights.py``): over a process group that the actor's rank 0
+and every engine process join (``group_sync.py``, ``rollout.weight_sync``), or through the object
+store, where the actor puts each bucket once, one bucket ahead of the workers loading the one
+before; either way a sync holds two buckets at most. A worker started or restarted between syncs
+gets its weights through the object store.
 """
 
 from __future__ import annotations
