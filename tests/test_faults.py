@@ -67,8 +67,9 @@ def test_a_rollout_worker_killed_mid_generation_or_mid_sync_is_restarted_and_the
     schedule, buckets = SCHEDULES[schedule], "rollout.update_weights_bucket_megabytes=0.5"
     whole, calls = uninterrupted(*schedule, buckets)
     lost = rf"rollout worker 0 \(pid \d+ on node .*\) was lost at step \d, noticed {noticed}"
+    over = ("rollout.weight_sync=group",) if backend == "dying_group_hf" else ()
     with pytest.warns(RuntimeWarning, match=lost):
-        trainer, _ = train(task_dir, tmp_path / "killed", *RUN, *schedule, buckets, f"rollout.backend={backend}")
+        trainer, _ = train(task_dir, tmp_path / "killed", *RUN, *schedule, buckets, f"rollout.backend={backend}", *over)
     assert trainer.rollout.restarts == 1 and trainer.rollout.calls == calls
     if backend == "dying_group_hf":  # given the weights through the object store, then in a new group
         assert trainer.rollout.group_sync.formed == 2
@@ -128,7 +129,7 @@ def test_a_rollout_worker_lost_during_a_sync_over_the_weight_group_stops_the_run
     ray_session, held_backend, task_dir, tmp_path
 ):
     """The trainer's broadcast cannot go on without one of the group's ranks: the run stops, naming the worker."""
-    more = ("rollout.backend=dying_in_group_sync_hf",)
+    more = ("rollout.backend=dying_in_group_sync_hf", "rollout.weight_sync=group")
     result = CliRunner().invoke(cli, ["run", "--config-dir", str(CONFIGS), *overrides(task_dir, tmp_path, *RUN, *more)])
     assert result.exit_code == 1 and "Traceback" not in result.output
     (line,) = [line for line in result.output.splitlines() if line.startswith("Error:")]

@@ -75,7 +75,7 @@ def test_sync_on_an_engine_across_two_nodes_samples_with_the_trainers_weights(cl
     0: the entropy bonus and the KL loss make step 1's update move the weights, which go to the
     other node in buckets of 0.5 MiB for step 2 to sample from."""
     weights = ("rollout.update_weights_bucket_megabytes=0.5", "actor.entropy_coeff=0.01", "actor.use_kl_loss=true")
-    out = skip_run(cluster, task_dir, tmp_path, *RUN, *engine, *weights)
+    out = skip_run(cluster, task_dir, tmp_path, *RUN, *engine, *weights, "rollout.weight_sync=group")
     assert "weight sync: over a gloo process group" in out  # the trainer's rank 0 on one node, the engine on the other
     rows = metrics(tmp_path / "run")
     assert [row["step"] for row in rows] == [1, 2]

@@ -173,7 +173,7 @@ class RolloutConfig(Sampling):
     # about two at a time, not a second copy of the model.
     update_weights_bucket_megabytes: PositiveFloat = 512
     # How a sync reaches the engines: broadcast over a process group (NCCL on GPUs, gloo on CPUs)
-    # or through Ray's object store; auto takes the group wherever the engines can join it.
+    # or through Ray's object store; auto takes NCCL's group between GPUs, the object store on host memory.
     weight_sync: Literal["auto", "group", "object_store"] = "auto"
 
 

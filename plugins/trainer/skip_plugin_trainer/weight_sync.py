@@ -5,9 +5,10 @@ cast to the engines' dtype, to every engine process at once: NCCL where the acto
 engines generate on GPUs of their own, gloo otherwise (colocated, an actor rank and an engine
 share a GPU, which NCCL refuses in one group: the buckets go through host memory). Through the
 object store, each bucket goes into Ray's object store once per node and every engine reads it
-from there: slower (docs/rollout.md gives what it costs per GB), but any engine takes it, and it
-is the path of a worker that joins late or is restarted between syncs. ``auto`` takes the group
-wherever it can, and says why where not.
+from there: any engine takes it, it is the path of a worker that joins late or is restarted
+between syncs, and on host memory it measured faster (docs/rollout.md gives what each costs). ``auto`` takes the group
+where NCCL carries it (the actor and the engines on GPUs of their own) and the object store on
+host memory, where its shared memory measured faster; it says why.
 """
 
 from __future__ import annotations
@@ -43,9 +44,16 @@ def choose(asked: str, engine: str, device: str, resources: Resources) -> Weight
         if asked == "group":
             raise ConfigError(f"rollout.weight_sync: group is not possible: {why_not}; allowed: auto, object_store")
         return WeightSync("object_store", None, f"{key}: {why_not}")
+    joined = f"{key}: the {engine} engines join it"
+    if on_gpus and resources.rollout.gpus_per_worker > 0 and not resources.colocate:
+        return WeightSync("group", "nccl", f"{joined}, the actor and the engines on GPUs of their own")
+    # Host memory either way: on one node the object store is shared memory, which measured
+    # faster than a gloo broadcast for hf and vLLM (docs/rollout.md#weight-sync).
     if on_gpus and resources.colocate:
-        where = "colocated on GPUs, where NCCL refuses two ranks of one group on one GPU: through host memory"
-        return WeightSync("group", "gloo", f"{key}: the {engine} engines join it, {where}")
-    if on_gpus and resources.rollout.gpus_per_worker > 0:
-        return WeightSync("group", "nccl", f"{key}: the {engine} engines join it, the actor and the engines on GPUs")
-    return WeightSync("group", "gloo", f"{key}: the {engine} engines join it, the actor or the engines on CPUs")
+        where = "colocated on GPUs, where NCCL refuses two ranks of one group on one GPU"
+        if asked == "group":
+            return WeightSync("group", "gloo", f"{joined}, {where}: through host memory")
+        return WeightSync("object_store", None, f"{key}: {where}")
+    if asked == "group":
+        return WeightSync("group", "gloo", f"{joined}, the actor or the engines on CPUs")
+    return WeightSync("object_store", None, f"{key}: the actor or the engines on CPUs, where it measured faster")

@@ -162,16 +162,16 @@ def test_two_rollout_workers_sample_what_one_samples(first, task_dir, tmp_path):
     assert two_batch.meta_info["rollout"]["requests"] == 8
 
 
-def test_a_run_syncing_through_the_object_store_is_the_run_syncing_over_the_weight_group(first, task_dir, tmp_path):
-    """``first`` syncs over a gloo group (``rollout.weight_sync=auto`` with ``hf``): the same steps
-    synced through the object store sample and train alike, step 2 from step 1's weights (an engine
+def test_a_run_syncing_over_the_weight_group_is_the_run_syncing_through_the_object_store(first, task_dir, tmp_path):
+    """``first`` syncs through the object store (``rollout.weight_sync=auto`` on CPUs): the same
+    steps synced over a gloo group sample and train alike, step 2 from step 1's weights (an engine
     that kept its own would sample with probabilities 1e-3 apart from the trainer's)."""
-    assert "weight sync: over a gloo process group (rollout.weight_sync=auto: the hf engines join it" in first.output
-    other = kl_run(task_dir, tmp_path, tmp_path / "cache", "rollout.weight_sync=object_store")
-    assert "weight sync: through Ray's object store (rollout.weight_sync=object_store)" in other.output
-    assert first.trainer.rollout.group_sync.formed == 1 and other.trainer.rollout.group_sync is None
+    assert "weight sync: through Ray's object store (rollout.weight_sync=auto: the actor or the engines" in first.output
+    other = kl_run(task_dir, tmp_path, tmp_path / "cache", "rollout.weight_sync=group")
+    assert "weight sync: over a gloo process group (rollout.weight_sync=group: the hf engines join it" in other.output
+    assert first.trainer.rollout.group_sync is None and other.trainer.rollout.group_sync.formed == 1
     assert [row["step"] for row in other.rows] == [row["step"] for row in first.rows] == [1, 2]
-    for group, objects in zip(first.rows, other.rows, strict=True):
+    for objects, group in zip(first.rows, other.rows, strict=True):
         assert group["response_length/mean"] == objects["response_length/mean"]
         for key in ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "training/rollout_probs_diff_mean"):
             assert group[key] == pytest.approx(objects[key], rel=1e-6, abs=1e-9), (group["step"], key)

@@ -287,7 +287,7 @@ def test_check_prints_the_resolved_settings_and_starts_nothing(tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert re.search(r"^rollout:\n(  .*\n)*  n: 8$", result.output, re.M)
-    assert "\n# weight sync: over a gloo process group (rollout.weight_sync=auto: " in result.output
+    assert "\n# weight sync: through Ray's object store (rollout.weight_sync=auto: " in result.output
     assert not run_dir.exists()
 
 

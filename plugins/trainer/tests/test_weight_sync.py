@@ -11,24 +11,29 @@ def chosen(**sections):
     return RunSettings.from_config({"task": {"name": None}, **sections}).weight_sync()
 
 
-def test_auto_takes_a_gloo_group_on_cpus():
+def test_auto_takes_the_object_store_on_cpus_and_a_group_takes_gloo_there():
     sync = chosen()
-    assert (sync.via, sync.backend) == ("group", "gloo")
+    assert (sync.via, sync.backend) == ("object_store", None)
     assert sync.line() == (
-        "weight sync: over a gloo process group (rollout.weight_sync=auto: the hf engines join it, "
-        "the actor or the engines on CPUs)"
+        "weight sync: through Ray's object store (rollout.weight_sync=auto: the actor or the engines on CPUs, "
+        "where it measured faster)"
     )
+    group = chosen(rollout={"weight_sync": "group"})
+    assert (group.via, group.backend) == ("group", "gloo")
+    assert group.reason == "rollout.weight_sync=group: the hf engines join it, the actor or the engines on CPUs"
 
 
-def test_on_gpus_the_group_is_nccls_unless_an_engine_shares_a_gpu_with_an_actor_rank():
+def test_on_gpus_of_their_own_auto_takes_nccls_group_and_colocated_the_object_store():
     pools = {"actor": {"gpus_per_worker": 1}, "rollout": {"gpus_per_worker": 1}}
     separate = chosen(**GPUS, resources=pools)
     assert (separate.via, separate.backend) == ("group", "nccl")
-    colocated = chosen(**GPUS, resources={"colocate": True, "actor": {"gpus_per_worker": 1}})
-    assert (colocated.via, colocated.backend) == ("group", "gloo")
-    assert "NCCL refuses two ranks of one group on one GPU: through host memory" in colocated.reason
+    colocated = {"colocate": True, "actor": {"gpus_per_worker": 1}}
+    assert chosen(**GPUS, resources=colocated).via == "object_store"
+    forced = chosen(**GPUS, resources=colocated, rollout={"weight_sync": "group"})
+    assert (forced.via, forced.backend) == ("group", "gloo")
+    assert "NCCL refuses two ranks of one group on one GPU: through host memory" in forced.reason
     engines_on_cpus = chosen(**GPUS, resources={"actor": {"gpus_per_worker": 1}})
-    assert engines_on_cpus.backend == "gloo"
+    assert engines_on_cpus.via == "object_store"
 
 
 def test_the_object_store_when_asked_or_when_the_engine_joins_no_group(held_backend):
