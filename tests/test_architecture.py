@@ -86,11 +86,11 @@ def test_core_is_small():
     # since a backend says how many GPUs one engine spans (``Backend.devices``: the placement
     # gives each engine as many) and which of verl's engine keys it takes (``verl_keys``), and
     # sleeps and wakes in verl's colocated order (weights discarded, then back before a sync, the
-    # KV cache after it: issue 52), 4690 since weights travel over a process group whose protocol
+    # KV cache after it: issue 52), 4710 since weights travel over a process group whose protocol
     # every engine and the trainer share (``weight_group``, and a backend's ``receiver``,
     # ``join_weight_group`` and ``receive_weights``: issue 52); a bound still, so that growth is a decision.
     lines = sum(len(path.read_text().splitlines()) for path in modules("core").values())
-    assert lines <= 4690, f"skip-core has {lines} lines"
+    assert lines <= 4710, f"skip-core has {lines} lines"
 
 
 def test_core_imports_no_plugin_even_by_name():

@@ -93,10 +93,19 @@ def leave(pg: dist.ProcessGroup | None) -> None:
         dist.destroy_process_group(pg)
 
 
-def flatten(tensors: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """The tensors cast to ``dtype``, their bytes one after another on ``device``."""
-    parts = [t.detach().reshape(-1).to(device=device, dtype=dtype).view(torch.uint8) for t in tensors]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+def flatten(
+    tensors: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device | str, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The tensors cast to ``dtype``, their bytes one after another on ``device``: in the front
+    of ``out`` when given (a byte buffer large enough), each tensor copied once into its place."""
+    total = sum(t.numel() for t in tensors) * dtype.itemsize
+    flat = torch.empty(total, dtype=torch.uint8, device=device) if out is None else out[:total]
+    offset = 0
+    for tensor in tensors:
+        size = tensor.numel() * dtype.itemsize
+        flat[offset : offset + size].view(dtype).copy_(tensor.detach().reshape(-1))
+        offset += size
+    return flat
 
 
 def unflatten(flat: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
@@ -120,20 +129,29 @@ def send(pg: dist.ProcessGroup, flat: torch.Tensor) -> Any:
 
 
 def received(
-    pg: dist.ProcessGroup, layouts: Sequence[Layout], device: torch.device | str = "cpu"
+    pg: dist.ProcessGroup, layouts: Sequence[Layout], device: torch.device | str = "cpu", reuse: bool = False
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Each bucket rank 0 broadcasts, as views, in order. The next bucket's receive is posted
-    before one is handed out, so it arrives while the engine loads this one: two buckets at most."""
+    before one is handed out, so it arrives while the engine loads this one: two buckets at most.
+    ``reuse``: two buffers take turns (a fresh one costs its page faults), for a caller done with
+    a bucket when it asks for the next; one that keeps the tensors (vLLM's layer-wise reload) must not."""
+    sizes = [sum(spec.nbytes for spec in layout) for layout in layouts]
+    buffers: list[torch.Tensor] = []
 
-    def post(layout: Layout) -> tuple[Any, torch.Tensor]:
-        flat = torch.empty(sum(spec.nbytes for spec in layout), dtype=torch.uint8, device=device)
+    def post(index: int) -> tuple[Any, torch.Tensor]:
+        if not reuse:
+            flat = torch.empty(sizes[index], dtype=torch.uint8, device=device)
+        else:
+            if len(buffers) < 2:
+                buffers.append(torch.empty(max(sizes), dtype=torch.uint8, device=device))
+            flat = buffers[index % 2][: sizes[index]]
         return dist.broadcast(flat, src=0, group=pg, async_op=True), flat
 
-    pending = post(layouts[0]) if layouts else None
+    pending = post(0) if layouts else None
     for index, layout in enumerate(layouts):
         work, flat = pending
         work.wait()
-        pending = post(layouts[index + 1]) if index + 1 < len(layouts) else None
+        pending = post(index + 1) if index + 1 < len(layouts) else None
         yield unflatten(flat, layout)
 
 

@@ -151,7 +151,7 @@ class HFBackend(GuardedBackend):
         self._refuse_if_closed("receive_weights")
         if self._group is None:
             raise RuntimeError("hf backend: receive_weights before join_weight_group")
-        buckets = weight_group.received(self._group, layouts, self._group_device)
+        buckets = weight_group.received(self._group, layouts, self._group_device, reuse=True)  # _load copies
         while (bucket := await asyncio.to_thread(next, buckets, None)) is not None:
             await self._call(self._load, bucket)
 

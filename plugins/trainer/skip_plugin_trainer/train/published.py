@@ -40,11 +40,16 @@ class Published:
         """Every bucket over the group, in ``dtype``: broadcast by the rank that holds ``sender``,
         gathered by all."""
         cast, in_flight = weight_group.torch_dtype(dtype), None
+        largest = max((sum(self.tensors[n].numel() for n in names) for names in self.buckets), default=0)
+        buffers: list[torch.Tensor] = []  # two take turns: a fresh one costs its page faults
         for index in range(len(self.buckets)):
             tensors = self._gathered(index)
             if sender is None:
                 continue
-            flat = weight_group.flatten(list(tensors.values()), cast, sender.device)
+            if len(buffers) < 2:
+                buffers.append(torch.empty(largest * cast.itemsize, dtype=torch.uint8, device=sender.device))
+            # This buffer's last broadcast, two buckets back, was waited for before the one in flight began.
+            flat = weight_group.flatten(list(tensors.values()), cast, sender.device, out=buffers[index % 2])
             if in_flight is not None:
                 sender.wait(in_flight)
             in_flight = (sender.broadcast(flat), flat)
