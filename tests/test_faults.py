@@ -114,10 +114,7 @@ def test_the_actor_killed_stops_the_run_with_one_line_naming_it_and_how_to_resum
 def test_a_rollout_worker_lost_past_its_restarts_stops_the_run_with_one_line(
     ray_session, held_backend, task_dir, tmp_path
 ):
-    more = ("rollout.backend=dying_hf", "resources.rollout.max_restarts=0")
-    result = CliRunner().invoke(cli, ["run", "--config-dir", str(CONFIGS), *overrides(task_dir, tmp_path, *RUN, *more)])
-    assert result.exit_code == 1 and "Traceback" not in result.output
-    (line,) = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    line = stopped_run(task_dir, tmp_path, "rollout.backend=dying_hf", "resources.rollout.max_restarts=0")
     lost = r"Error: skip run stopped at step 2: rollout worker 0 \(pid \d+ on node \S+ \(\w+\)\) died at step 2, "
     assert re.match(
         lost + "noticed while generating, and Ray did not restart it: past resources.rollout.max_restarts", line
@@ -129,11 +126,16 @@ def test_a_rollout_worker_lost_during_a_sync_over_the_weight_group_stops_the_run
     ray_session, held_backend, task_dir, tmp_path
 ):
     """The trainer's broadcast cannot go on without one of the group's ranks: the run stops, naming the worker."""
-    more = ("rollout.backend=dying_in_group_sync_hf", "rollout.weight_sync=group")
-    result = CliRunner().invoke(cli, ["run", "--config-dir", str(CONFIGS), *overrides(task_dir, tmp_path, *RUN, *more)])
-    assert result.exit_code == 1 and "Traceback" not in result.output
-    (line,) = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    line = stopped_run(task_dir, tmp_path, "rollout.backend=dying_in_group_sync_hf", "rollout.weight_sync=group")
     lost = r"Error: skip run stopped at step 1: rollout worker 0 \(pid \d+ on node \S+ \(\w+\)\) was lost at step 1 "
     cause = "its process died, and the broadcast cannot go on without it"
     assert re.match(lost + "during a weight sync over the process group: " + cause, line), line
     assert line.endswith("(HYDRA_FULL_ERROR=1 shows the traceback)")
+
+
+def stopped_run(task_dir, tmp_path, *more) -> str:
+    """``skip run`` of ``RUN`` that stops: its one ``Error:`` line, with no traceback printed."""
+    result = CliRunner().invoke(cli, ["run", "--config-dir", str(CONFIGS), *overrides(task_dir, tmp_path, *RUN, *more)])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    (line,) = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    return line
