@@ -128,6 +128,11 @@ def _collect() -> Registry:
     return reg
 
 
+def _singular(kind: str) -> str:
+    """``policy_losses`` -> ``policy loss``, ``backends`` -> ``backend``."""
+    return kind.replace("_", " ").removesuffix("es" if kind.endswith("sses") else "s")
+
+
 def _registrar(reg: Registry, kind: str, plugin: str) -> Callable:
     table = reg.kinds.setdefault(kind, {})
 
@@ -136,7 +141,7 @@ def _registrar(reg: Registry, kind: str, plugin: str) -> Callable:
         if name in table:
             first, second = distribution(reg.provider[(kind, name)]), distribution(plugin)
             reg.conflicts.append(
-                f"{kind[:-1]} {name!r} is registered by both {first} and {second}; choose one by naming the "
+                f"{_singular(kind)} {name!r} is registered by both {first} and {second}; choose one by naming the "
                 f"distributions to load: SKIP_PLUGINS={_all_but(second)} (or uninstall one of them)"
             )
             return

@@ -52,6 +52,22 @@ def skip_register_rewards(register):
 
 
 @hookimpl
+def skip_register_policy_losses(register):
+    from skip_plugin_trainer.algorithms.builtin import LOSSES
+
+    for name, loss in LOSSES.items():
+        register(name, loss)
+
+
+@hookimpl
+def skip_register_advantage_estimators(register):
+    from skip_plugin_trainer.algorithms.advantages import ESTIMATORS
+
+    for estimator in ESTIMATORS:
+        register(estimator)
+
+
+@hookimpl
 def skip_register_commands(cli):
     from skip_plugin_trainer import commands
 

@@ -138,6 +138,33 @@ class FsdpConfig(_Section):
         return self.dtype or ("bfloat16" if device == "cuda" else self.model_dtype)
 
 
+LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"]
+
+
+class PolicyLossConfig(_Section):
+    """``actor.policy_loss``, verl's: ``loss_mode`` names a registered policy loss (``skip
+    plugins`` lists them; verl's twelve are built in), the rest are the options of some of them:
+    Clip-Cov drops the gradient of ``clip_cov_ratio`` of the tokens whose advantage/log-prob
+    covariance lies between ``clip_cov_lb`` and ``clip_cov_ub``; KL-Cov penalises
+    ``kl_cov_ratio`` of them by ``ppo_kl_coef`` x |log-ratio|; DRO's quadratic penalty is
+    ``dro_beta``, which it needs. ``bypass_mode`` is verl's name of the loss of
+    ``algorithm.rollout_correction.bypass_mode=true``, which it turns on."""
+
+    loss_mode: str = "vanilla"
+    clip_cov_ratio: PositiveFloat = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: PositiveFloat = 0.0002
+    ppo_kl_coef: float = 0.1
+    dro_beta: PositiveFloat | None = None
+
+    @model_validator(mode="after")
+    def _dro(self) -> PolicyLossConfig:
+        if self.loss_mode == "dro" and self.dro_beta is None:
+            raise ValueError("dro_beta: loss_mode=dro needs a positive value (verl has no default)")
+        return self
+
+
 class ActorConfig(_Section):
     """``actor``: the PPO update, with verl's key names.
 
@@ -155,6 +182,9 @@ class ActorConfig(_Section):
     reference's ``ref_log_prob_*`` (verl's ``ref.log_prob_*``; null: the log-prob pass's);
     ``ref_param_offload`` (verl's ``ref.fsdp_config.param_offload``) keeps the reference in host
     memory but while it computes.
+    ``policy_loss`` picks the loss (``PolicyLossConfig``); ``loss_agg_mode`` how it is reduced
+    (verl's five modes; ``loss_scale_factor`` divides ``seq-mean-token-sum-norm``, null: by the
+    response width); ``tau_pos`` / ``tau_neg`` are SAPO's gate temperatures.
     ``entropy_from_logits_with_chunking`` takes log-probs and entropy ``entropy_from_logits_chunk_size``
     tokens at a time, so no [tokens x vocabulary] float32 tensor is whole; ``entropy_checkpointing``
     recomputes each chunk in the backward pass instead of keeping it.
@@ -166,7 +196,11 @@ class ActorConfig(_Section):
     clip_ratio_low: NonNegativeFloat = 0.2
     clip_ratio_high: NonNegativeFloat = 0.2
     clip_ratio_c: float | None = Field(3.0, gt=1)
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    loss_agg_mode: LossAggMode = "token-mean"
+    loss_scale_factor: PositiveFloat | None = None
+    policy_loss: PolicyLossConfig = PolicyLossConfig()
+    tau_pos: PositiveFloat = 1.0
+    tau_neg: PositiveFloat = 1.05
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: NonNegativeFloat = 0.001
@@ -224,7 +258,7 @@ class CriticConfig(_Section):
     ppo_micro_batch_size: PositiveInt = 16
     ppo_epochs: PositiveInt = 1
     cliprange_value: PositiveFloat = 0.5
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    loss_agg_mode: LossAggMode = "token-mean"
     grad_clip: PositiveFloat | None = 1.0
     optim: Optim = Optim()
     use_dynamic_bsz: bool = False
@@ -366,9 +400,11 @@ class FilterGroups(_Section):
 
 class AlgorithmConfig(_Section):
     """``algorithm``: the advantage estimator (``gae`` trains a critic) and the optional KL
-    penalty in the reward; ``gamma`` and ``lam`` are GAE's discount and trace decay."""
+    penalty in the reward; ``gamma`` and ``lam`` are GAE's discount and trace decay.
+    ``gdpo_reward_keys``: GDPO's reward parts, keys of the dict the reward function returns.
+    ``gdpo_reward_weights``: their weights in GDPO's sum, one per key (null: 1 each)."""
 
-    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "gae"] = "grpo"
+    adv_estimator: str = "grpo"
     gamma: float = 1.0
     lam: float = Field(1.0, ge=0, le=1)
     norm_adv_by_std_in_grpo: bool = True
@@ -377,3 +413,5 @@ class AlgorithmConfig(_Section):
     kl_coef: NonNegativeFloat = 0.001
     filter_groups: FilterGroups = FilterGroups()
     rollout_correction: RolloutCorrection = RolloutCorrection()
+    gdpo_reward_keys: tuple[str, ...] | None = None
+    gdpo_reward_weights: tuple[float, ...] | None = None

@@ -44,3 +44,23 @@ def skip_register_rewards(register):
     response (verl's ``compute_score`` signature); ``reward.function=<name>`` selects one.
     This plugin registers ``task``, which dispatches on ``data_source`` to the registered task.
     """
+
+
+@hookspec
+def skip_register_policy_losses(register):
+    """Register policy losses: call ``register(name, loss)``.
+
+    ``loss(inputs, ctx) -> PolicyLoss`` (``skip_plugin_trainer.algorithms.contract``) computes one
+    micro-batch's loss and metrics; ``actor.policy_loss.loss_mode=<name>`` selects one. This
+    plugin registers verl 0.9.1's twelve, by verl's names.
+    """
+
+
+@hookspec
+def skip_register_advantage_estimators(register):
+    """Register advantage estimators: call ``register(estimator)`` with an
+    ``skip_plugin_trainer.algorithms.contract.Estimator``.
+
+    ``algorithm.adv_estimator=<name>`` selects one; its ``needs`` name the inputs the trainer
+    provides it (``values``: a critic is trained). This plugin registers verl 0.9.1's fourteen.
+    """

@@ -56,6 +56,15 @@ from skip_plugin_trainer.run_sections import (
 from skip_plugin_trainer.verl_keys import Resolved, resolve
 from skip_plugin_trainer.weight_sync import WeightSync, choose
 
+#: What the trainer gives an advantage estimator beside rewards, mask and groups (``Estimator.needs``).
+PROVIDED_TO_ESTIMATORS = frozenset({"values", "old_log_probs", "rollout_is_weights"})
+
+
+def _registered(table: dict[str, Any], name: str, key: str) -> Any:
+    if name not in table:
+        raise ConfigError(f"{key}: unknown {name!r}; registered: {', '.join(sorted(table))} (skip plugins lists them)")
+    return table[name]
+
 
 class UnusedKeysWarning(UserWarning):
     """Keys a config passes that change nothing here: verl's GPU tuning and logs, a null task's options."""
@@ -164,6 +173,7 @@ class RunSettings(RolloutSettings):
         try:
             settings.check_sizes()
             settings.check_devices()
+            settings.check_algorithms()
         except ConfigError as exc:
             raise ConfigError(_as_written(str(exc), settings.resolved)) from None
         return settings
@@ -174,7 +184,31 @@ class RunSettings(RolloutSettings):
 
     @property
     def use_critic(self) -> bool:
-        return self.algorithm.adv_estimator == "gae"
+        return "values" in self.estimator().needs
+
+    def estimator(self) -> Any:
+        """The registered ``algorithm.adv_estimator`` (``algorithms/contract.Estimator``)."""
+        from skip_core.plugins import registry
+
+        return _registered(registry().advantage_estimators, self.algorithm.adv_estimator, "algorithm.adv_estimator")
+
+    def check_algorithms(self) -> None:
+        """The loss and the estimator named are registered, and what the estimator needs is made."""
+        from skip_core.plugins import registry
+
+        loss_mode = self.actor.policy_loss.loss_mode
+        _registered(registry().policy_losses, loss_mode, "actor.policy_loss.loss_mode")
+        if loss_mode == "bypass_mode" and self.algorithm.rollout_correction.bypass_mode is False:
+            raise ConfigError(
+                "actor.policy_loss.loss_mode: bypass_mode is the loss of "
+                "algorithm.rollout_correction.bypass_mode=true, which is false here"
+            )
+        missing = sorted(self.estimator().needs - PROVIDED_TO_ESTIMATORS)
+        if missing:
+            raise ConfigError(
+                f"algorithm.adv_estimator: {self.algorithm.adv_estimator} needs {', '.join(missing)}, "
+                f"which skip does not compute (it provides {', '.join(sorted(PROVIDED_TO_ESTIMATORS))})"
+            )
 
     @property
     def use_reference(self) -> bool:
@@ -219,10 +253,13 @@ class RunSettings(RolloutSettings):
             warnings.warn(unused, UnusedKeysWarning, stacklevel=4)
 
     def bypass_mode(self, overlapped: bool) -> bool:
-        """Whether the rollout log-probs serve as PPO's old log-probs (see ``RolloutCorrection``)."""
+        """Whether the rollout log-probs serve as PPO's old log-probs (see ``RolloutCorrection``);
+        ``actor.policy_loss.loss_mode=bypass_mode`` turns it on, as it is verl's name of its loss."""
         correction = self.algorithm.rollout_correction
         if correction.bypass_mode is not None:
             return correction.bypass_mode
+        if self.actor.policy_loss.loss_mode == "bypass_mode":
+            return True
         return overlapped and correction.rollout_is is None
 
     def identity(self) -> dict[str, Any]:

@@ -145,7 +145,6 @@ UNIMPLEMENTED: dict[str, tuple[Any, str]] = {
     "data.tokenizer": (None, "skip loads the tokenizer of model.path"),
     "data.reward_fn_key": ("data_source", "skip picks a row's scorer by its data_source"),
     "data.custom_cls.path": (None, "skip reads data.train_files with its own dataset"),
-    "actor.policy_loss.loss_mode": ("vanilla", "skip's policy loss is verl's vanilla PPO clip"),
     "actor.optim.zero_indexed_step": (True, "skip's schedule counts updates from 0"),
     "actor.optim.optimizer": ("AdamW", "skip's optimizer is torch's AdamW"),
     "critic.optim.optimizer": ("AdamW", "skip's optimizer is torch's AdamW"),

@@ -1,30 +1,18 @@
-"""The RL math against values worked out by hand in the comments."""
+"""The RL math against values worked out by hand in the comments: masked statistics, loss
+aggregation, PPO's clipped loss, KL penalties, log-probs. (Every loss and estimator is also
+checked against verl's own function: plugins/verl/tests/in_verl.)"""
 
 import itertools
 import math
 
-import numpy as np
 import pytest
 import torch
-from skip_plugin_trainer.train.algorithm import (
-    ADVANTAGE_ESTIMATORS,
-    KL_PENALTIES,
-    LOSS_AGG_MODES,
-    PolicyLoss,
-    Totals,
-    agg_loss,
-    apply_kl_penalty,
-    compute_advantages,
-    entropy_from_logits,
-    grpo_advantages,
-    kl_penalty,
-    log_probs_from_logits,
-    masked_mean,
-    masked_whiten,
-    policy_loss,
-    reinforce_plus_plus_advantages,
-    rloo_advantages,
-)
+from skip_plugin_trainer.algorithm_settings import ActorConfig
+from skip_plugin_trainer.algorithms.aggregation import LOSS_AGG_MODES, Totals, agg_loss, masked_mean, masked_whiten
+from skip_plugin_trainer.algorithms.contract import LossContext, LossInputs, PolicyLoss
+from skip_plugin_trainer.algorithms.kl import KL_PENALTIES, apply_kl_penalty, kl_penalty
+from skip_plugin_trainer.algorithms.losses import vanilla
+from skip_plugin_trainer.train.logits import entropy_from_logits, log_probs_from_logits
 from torch.testing import assert_close
 
 T = torch.tensor
@@ -52,103 +40,6 @@ def test_masked_whiten_uses_unbiased_variance_over_the_mask():
         masked_whiten(values, T([[1, 0, 0]]))
 
 
-# ---------------------------------------------------------------- advantages
-
-# Rows of groups a (3 samples), b (a singleton) and c (2 equal scores), interleaved.
-GROUP_INDEX = ["a", "b", "a", "c", "a", "c"]
-GROUP_REWARDS = T(
-    [
-        [0.0, 0.0, 0.0],  # a: score 0
-        [1.0, 2.0, 0.0],  # b: score 3
-        [1.0, 0.0, 1.0],  # a: score 2
-        [0.5, 0.0, 0.0],  # c: score 0.5
-        [0.0, 4.0, 0.0],  # a: score 4
-        [0.0, 0.0, 0.5],  # c: score 0.5
-    ]
-)
-GROUP_MASK = T(
-    [
-        [1, 1, 0],
-        [1, 1, 0],
-        [1, 0, 1],
-        [1, 0, 0],
-        [1, 1, 0],
-        [1, 1, 1],
-    ]
-)
-
-
-def test_grpo_normalised_by_std():
-    # a: mean 2, unbiased std sqrt((4 + 0 + 4) / 2) = 2 -> advantages -1, 0, 1
-    # b: singleton, mean 0 and std 1 -> 3;  c: std 0 -> (0.5 - 0.5) / (0 + eps) = 0
-    advantages, returns = grpo_advantages(GROUP_REWARDS, GROUP_MASK, np.array(GROUP_INDEX, dtype=object))
-    expected = T(
-        [
-            [-1.0, -1.0, 0.0],
-            [3.0, 3.0, 0.0],
-            [0.0, 0.0, 0.0],
-            [0.0, 0.0, 0.0],
-            [1.0, 1.0, 0.0],
-            [0.0, 0.0, 0.0],
-        ]
-    )
-    assert_close(advantages, expected, atol=1e-5, rtol=0)
-    assert torch.isfinite(advantages).all()
-    assert torch.equal(returns, advantages)
-
-
-def test_grpo_without_std_normalisation():
-    # a: scores 0, 2, 4 minus mean 2 -> -2, 0, 2;  b: 3 - 0;  c: 0
-    advantages, _ = compute_advantages("grpo", GROUP_REWARDS, GROUP_MASK, GROUP_INDEX, norm_adv_by_std_in_grpo=False)
-    per_row = T([-2.0, 3.0, 0.0, 0.0, 2.0, 0.0])
-    assert_close(advantages, per_row[:, None] * GROUP_MASK)
-
-
-def test_grpo_is_zero_off_the_mask_and_constant_over_loss_tokens():
-    advantages, _ = compute_advantages("grpo", GROUP_REWARDS, GROUP_MASK, GROUP_INDEX)
-    assert (advantages[GROUP_MASK == 0] == 0).all()
-    for row, mask in zip(advantages, GROUP_MASK, strict=True):
-        loss_values = row[mask == 1]
-        assert (loss_values == loss_values[0]).all()
-
-
-def test_rloo_leave_one_out():
-    rewards = T([[0.0, 1.0], [2.0, 0.0], [4.0, 0.0], [0.0, 6.0]])
-    mask = T([[1, 1], [1, 0], [1, 1], [1, 1]])
-    index = ["g", "g", "solo", "g"]
-    # g scores 1, 2, 6: 1 - (2 + 6) / 2 = -3;  2 - (1 + 6) / 2 = -1.5;  6 - (1 + 2) / 2 = 4.5
-    # solo: baseline 0 -> 4
-    advantages, returns = rloo_advantages(rewards, mask, index)
-    assert_close(advantages, T([[-3.0, -3.0], [-1.5, 0.0], [4.0, 4.0], [4.5, 4.5]]))
-    assert torch.equal(returns, advantages)
-
-
-def test_reinforce_plus_plus_discounted_returns_and_whitening():
-    rewards = T([[0.0, 1.0, 0.0, 2.0], [0.0, 0.0, 4.0, 0.0]])
-    mask = T([[1, 1, 0, 1], [1, 1, 1, 0]])
-    # gamma 0.5, right to left. Row 0: t3: 2;  t2: 0 + 0.5 * 2 = 1, then cut by mask 0;
-    # t1: 1 + 0.5 * 0 = 1;  t0: 0 + 0.5 * 1 = 0.5.  Row 1: t3: 0;  t2: 4;  t1: 2;  t0: 1.
-    advantages, returns = reinforce_plus_plus_advantages(rewards, mask, gamma=0.5)
-    assert_close(returns, T([[0.5, 1.0, 0.0, 2.0], [1.0, 2.0, 4.0, 0.0]]))
-    # Loss-token returns 0.5, 1, 2, 1, 2, 4: mean 10.5 / 6 = 1.75; squared deviations
-    # 1.5625 + 0.5625 + 0.0625 + 0.5625 + 0.0625 + 5.0625 = 7.875; unbiased variance 7.875 / 5 = 1.575.
-    deviations = T([[-1.25, -0.75, 0.0, 0.25], [-0.75, 0.25, 2.25, 0.0]])
-    assert_close(advantages, deviations / math.sqrt(1.575))
-    assert abs(masked_mean(advantages, mask).item()) < 1e-6
-
-
-def test_compute_advantages_dispatches_by_name():
-    advantages, _ = compute_advantages("rloo", T([[1.0], [3.0]]), T([[1], [1]]), ["u", "u"])
-    assert_close(advantages, T([[-2.0], [2.0]]))  # 1 - 3 and 3 - 1
-    _, returns = compute_advantages("reinforce_plus_plus", T([[1.0, 1.0]]), T([[1, 1]]), ["u"], gamma=0.5)
-    assert_close(returns, T([[1.5, 1.0]]))  # 1 + 0.5 * 1
-
-
-def test_index_must_cover_every_row():
-    with pytest.raises(ValueError, match="index"):
-        grpo_advantages(GROUP_REWARDS, GROUP_MASK, GROUP_INDEX[:-1])
-
-
 # ---------------------------------------------------------------- loss aggregation
 
 LOSS = T([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
@@ -158,7 +49,9 @@ LOSS = T([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     ("mode", "expected"),
     [
         ("token-mean", 7.0 / 3),  # (1 + 2 + 4) / 3
+        ("token-sum", 7.0),
         ("seq-mean-token-sum", 3.5),  # (3 + 4) / 2
+        ("seq-mean-token-sum-norm", 3.5 / 3),
         ("seq-mean-token-mean", 2.75),  # (1.5 + 4) / 2
     ],
 )
@@ -170,8 +63,10 @@ def test_agg_loss_ragged_mask(mode, expected):
     ("mode", "expected"),
     [
         ("token-mean", 1.5),  # (1 + 2) / 2
-        ("seq-mean-token-sum", 1.5),  # (3 + 0) / 2: the empty row counts
-        ("seq-mean-token-mean", 1.5),  # 1.5 / 1: the empty row does not count
+        ("token-sum", 3.0),
+        ("seq-mean-token-sum", 1.5),  # (3 + 0) / 2: the empty row counts, as in verl's trainer
+        ("seq-mean-token-sum-norm", 0.5),  # 1.5 / 3, the response width
+        ("seq-mean-token-mean", 0.75),  # (1.5 + 0) / 2
     ],
 )
 def test_agg_loss_with_an_empty_row(mode, expected):
@@ -196,7 +91,7 @@ def test_agg_loss_of_the_parts_with_the_wholes_totals_adds_up_to_the_wholes(mode
     loss_mat = torch.arange(1.0, 16.0).reshape(5, 3).requires_grad_()
     mask = T([[1, 1, 0], [1, 0, 0], [0, 0, 0], [1, 1, 1], [0, 1, 0]])  # ragged, row 2 empty
     totals = Totals.of(mask)
-    assert totals == Totals(tokens=7.0, rows=5.0, rows_with_tokens=4.0)
+    assert totals == Totals(tokens=7.0, rows=5.0)
     whole = agg_loss(loss_mat, mask, mode)
     (whole_grad,) = torch.autograd.grad(whole, loss_mat)
 
@@ -206,7 +101,13 @@ def test_agg_loss_of_the_parts_with_the_wholes_totals_adds_up_to_the_wholes(mode
     assert_close(sum(parts), whole)
     assert_close(parts_grad, whole_grad)
     if cuts == (2, 4):  # rows 2 (empty) and 3 (10 + 11 + 12 = 33 over 3 tokens), by hand
-        expected = {"token-mean": 33 / 7, "seq-mean-token-sum": 33 / 5, "seq-mean-token-mean": 11 / 4}
+        expected = {
+            "token-mean": 33 / 7,
+            "token-sum": 33.0,
+            "seq-mean-token-sum": 33 / 5,
+            "seq-mean-token-sum-norm": 33 / 5 / 3,
+            "seq-mean-token-mean": 11 / 5,
+        }
         assert_close(parts[1], T(expected[mode]))
 
 
@@ -221,9 +122,12 @@ def test_a_part_normalised_by_itself_is_not_its_share_of_the_whole():
 # ---------------------------------------------------------------- policy loss
 
 
-def _loss(old, new, advantages, mask, **kwargs) -> tuple[PolicyLoss, torch.Tensor]:
+def _loss(old, new, advantages, mask, **actor) -> tuple[PolicyLoss, torch.Tensor]:
     log_prob = T(new).requires_grad_()
-    result = policy_loss(T(old), log_prob, T(advantages), T(mask), **kwargs)
+    result = vanilla(
+        LossInputs(T(old), log_prob, T(advantages), T(mask)),
+        LossContext(ActorConfig(**actor), Totals.of(T(mask)), T(mask)),
+    )
     result.loss.backward()
     return result, log_prob.grad
 
@@ -232,13 +136,12 @@ def test_policy_loss_at_ratio_one_is_minus_mean_advantage():
     log_probs = [[-1.0, -2.0, -0.5], [-0.3, -4.0, -1.0]]
     result, _ = _loss(log_probs, log_probs, [[1.0, -2.0, 3.0], [0.5, 7.0, 0.0]], [[1, 1, 1], [1, 0, 0]])
     assert_close(result.loss, T(-0.625))  # -(1 - 2 + 3 + 0.5) / 4
-    assert result.clipfrac == 0.0
-    assert result.approx_kl == 0.0
+    assert result.metrics == {"actor/ppo_kl": 0.0, "actor/pg_clipfrac": 0.0, "actor/pg_clipfrac_lower": 0.0}
 
 
 def test_approx_kl_is_mean_of_old_minus_new():
     result, _ = _loss([[0.0, 0.0, 0.0]], [[0.1, -0.3, 5.0]], [[1.0, 1.0, 1.0]], [[1, 1, 0]])
-    assert result.approx_kl == pytest.approx(0.1)  # (-0.1 + 0.3) / 2
+    assert result.metrics["actor/ppo_kl"] == pytest.approx(0.1)  # (-0.1 + 0.3) / 2
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
@@ -253,7 +156,7 @@ def test_clipped_ratio_gives_no_gradient():
     # ratio 1.5 > 1.2, A = 2: unclipped -3, clipped -2.4, max -2.4, which is constant in log_prob.
     result, grad = _loss([[0.0]], [[math.log(1.5)]], [[2.0]], [[1]])
     assert_close(result.loss, T(-2.4))
-    assert result.clipfrac == 1.0
+    assert result.metrics["actor/pg_clipfrac"] == 1.0
     assert (grad == 0).all()
 
 
@@ -261,6 +164,7 @@ def test_dual_clip_caps_negative_advantage_loss():
     # ratio e^2 ~ 7.389, A = -1: unclipped 7.389, clipped 1.2, max 7.389, capped at -A * c = 3.
     result, grad = _loss([[0.0]], [[2.0]], [[-1.0]], [[1]], clip_ratio_c=3.0)
     assert_close(result.loss, T(3.0))
+    assert result.metrics["actor/pg_clipfrac_lower"] == 1.0
     assert (grad == 0).all()
     uncapped, _ = _loss([[0.0]], [[2.0]], [[-1.0]], [[1]], clip_ratio_c=None)
     assert_close(uncapped.loss, T(math.exp(2)))
@@ -356,10 +260,9 @@ def test_entropy_from_logits():
 @pytest.mark.parametrize(
     ("call", "allowed"),
     [
-        (lambda: compute_advantages("gae", GROUP_REWARDS, GROUP_MASK, GROUP_INDEX), ADVANTAGE_ESTIMATORS),
         (lambda: agg_loss(LOSS, torch.ones(2, 3), "seq-sum"), LOSS_AGG_MODES),
         (lambda: kl_penalty(LOG_PROB, REF_LOG_PROB, "k4"), (*KL_PENALTIES, "k1", "k2", "k3")),
-        (lambda: policy_loss(LOG_PROB, LOG_PROB, LOG_PROB, T([[1, 1]]), loss_agg_mode="sum"), LOSS_AGG_MODES),
+        (lambda: ActorConfig(loss_agg_mode="sum"), LOSS_AGG_MODES),
     ],
 )
 def test_unknown_names_list_the_allowed_ones(call, allowed):

@@ -10,10 +10,12 @@ import torch
 from batches import ROWS, padded_batch
 from skip_core.config import ConfigError
 from skip_plugin_trainer.algorithm_settings import ActorConfig, Optim, RolloutCorrection
+from skip_plugin_trainer.algorithms.aggregation import Totals
+from skip_plugin_trainer.algorithms.contract import LossContext, LossInputs, PolicyLoss
+from skip_plugin_trainer.algorithms.losses import reinforce, vanilla
 from skip_plugin_trainer.settings import RunSettings
-from skip_plugin_trainer.train.algorithm import policy_loss, reinforce_loss
 from skip_plugin_trainer.train.correction import (
-    bypass_policy_loss,
+    bypass_mode,
     correct,
     offpolicy_metrics,
     rejection_mask,
@@ -23,6 +25,19 @@ from skip_plugin_trainer.train.phases import Phases
 from skip_plugin_trainer.train.policy import Policy
 
 MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+
+
+def loss_of(loss, old, log_prob, advantages, mask, weights=None, correction=None, **actor) -> PolicyLoss:
+    """``loss`` on one micro-batch that is its whole mini-batch."""
+    inputs = LossInputs(old, log_prob, advantages, mask, weights)
+    return loss(inputs, LossContext(ActorConfig(**actor), Totals.of(mask), mask, correction))
+
+
+def bypass_policy_loss(correction, rollout, log_prob, advantages, mask, **actor) -> tuple[PolicyLoss, dict]:
+    result = loss_of(bypass_mode, rollout, log_prob, advantages, mask, correction=correction, **actor)
+    return result, {k: v for k, v in result.metrics.items() if k.startswith("rollout_corr/")}
+
+
 ROLLOUT = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.9], [0.2, 0.8, 0.9, 0.9]]))
 OLD = torch.log(torch.tensor([[0.5, 0.25, 0.6, 0.1], [0.6, 0.8, 0.1, 0.1]]))
 # The ratios old / rollout on the five tokens: 1, 0.5, 1.2 | 3, 1.
@@ -86,8 +101,8 @@ def test_weights_scale_each_tokens_loss():
     old = torch.zeros(1, 3)
     advantages = torch.tensor([[1.0, 1.0, 1.0]])
     mask = torch.ones(1, 3)
-    plain = policy_loss(old, old, advantages, mask).loss
-    weighted = policy_loss(old, old, advantages, mask, weights=torch.tensor([[2.0, 0.0, 1.0]])).loss
+    plain = loss_of(vanilla, old, old, advantages, mask).loss
+    weighted = loss_of(vanilla, old, old, advantages, mask, weights=torch.tensor([[2.0, 0.0, 1.0]])).loss
     assert plain.item() == pytest.approx(-1.0)
     assert weighted.item() == pytest.approx(-1.0 * (2 + 0 + 1) / 3)
     assert math.isfinite(weighted.item())
@@ -152,14 +167,14 @@ def test_reinforce_is_the_policy_gradient_weighted_and_unclipped():
     advantages = torch.tensor([[1.0, -2.0, 1.0]])
     mask = torch.tensor([[1, 1, 0]])
     weights = torch.tensor([[2.0, 0.5, 1.0]])
-    result = reinforce_loss(log_prob, rollout, advantages, mask, "token-mean", weights=weights)
+    result = loss_of(reinforce, rollout, log_prob, advantages, mask, weights=weights)
     expected = (-1.0 * math.log(0.5) * 2.0 + 2.0 * math.log(0.25) * 0.5) / 2
     assert result.loss.item() == pytest.approx(expected)
     result.loss.backward()
     torch.testing.assert_close(log_prob.grad, torch.tensor([[-1.0, 0.5, 0.0]]))  # -A w / 2 tokens
-    assert result.clipfrac is None
-    assert result.approx_kl == pytest.approx((math.log(0.25 / 0.5) + 0.0) / 2)  # rollout - policy
-    plain = reinforce_loss(log_prob, rollout, advantages, mask, "token-mean")
+    assert "actor/pg_clipfrac" not in result.metrics
+    assert result.metrics["actor/ppo_kl"] == pytest.approx((math.log(0.25 / 0.5) + 0.0) / 2)  # rollout - policy
+    plain = loss_of(reinforce, rollout, log_prob, advantages, mask)
     assert plain.loss.item() == pytest.approx((-math.log(0.5) + 2.0 * math.log(0.25)) / 2)
 
 
@@ -189,16 +204,17 @@ def test_bypass_reinforce_weights_by_policy_over_rollout_truncated():
 
 def test_bypass_reinforce_without_rollout_is_is_plain_reinforce():
     result, metrics = bypass_policy_loss(bypass(loss_type="reinforce"), ROLLOUT, OLD, torch.ones(2, 4), MASK, **PPO)
-    assert result.loss.item() == pytest.approx(reinforce_loss(OLD, ROLLOUT, torch.ones(2, 4), MASK).loss.item())
+    assert result.loss.item() == pytest.approx(loss_of(reinforce, ROLLOUT, OLD, torch.ones(2, 4), MASK).loss.item())
     assert not any("rollout_is_" in key for key in metrics) and "rollout_corr/chi2_token" in metrics
 
 
 def test_bypass_ppo_clip_only_measures_the_weights():
     advantages = torch.tensor([[1.0] * 4, [-1.0] * 4])
     result, metrics = bypass_policy_loss(bypass(rollout_is="sequence"), ROLLOUT, OLD, advantages, MASK, **PPO)
-    plain = policy_loss(ROLLOUT, OLD, advantages, MASK, **PPO)  # the ratio is already policy / rollout
+    plain = loss_of(vanilla, ROLLOUT, OLD, advantages, MASK, **PPO)  # the ratio is already policy / rollout
     assert result.loss.item() == pytest.approx(plain.loss.item())
-    assert result.clipfrac == plain.clipfrac and "rollout_corr/rollout_is_mean" in metrics
+    clipfrac = "actor/pg_clipfrac"
+    assert result.metrics[clipfrac] == plain.metrics[clipfrac] and "rollout_corr/rollout_is_mean" in metrics
 
 
 @pytest.mark.parametrize("loss_type", ["ppo_clip", "reinforce"])

@@ -3,10 +3,17 @@
 import pytest
 import torch
 from batches import ROWS, padded_batch
-from skip_plugin_trainer.algorithm_settings import CriticConfig, Optim
-from skip_plugin_trainer.train.algorithm import LOSS_AGG_MODES, masked_whiten
+from skip_plugin_trainer.algorithm_settings import AlgorithmConfig, CriticConfig, Optim
+from skip_plugin_trainer.algorithms.aggregation import LOSS_AGG_MODES, masked_whiten
+from skip_plugin_trainer.algorithms.contract import AdvantageInputs
+from skip_plugin_trainer.algorithms.token_advantages import gae
 from skip_plugin_trainer.train.critic import Critic
-from skip_plugin_trainer.train.value import gae_advantages, value_loss, value_metrics
+from skip_plugin_trainer.train.value import value_loss, value_metrics
+
+
+def gae_advantages(rewards, values, mask, gamma: float, lam: float):
+    inputs = AdvantageInputs(rewards, mask, [str(i) for i in range(len(rewards))], values=values)
+    return gae(inputs, AlgorithmConfig(adv_estimator="gae", gamma=gamma, lam=lam))
 
 
 def test_gae_matches_the_recursion_worked_by_hand():

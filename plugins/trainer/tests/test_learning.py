@@ -14,12 +14,13 @@ from skip_plugin_arithmetic import warmup
 from skip_plugin_arithmetic.calculator import SCHEMA, Calculator
 from skip_plugin_arithmetic.task import demonstration, problems, prompt, score
 from skip_plugin_hf.options import HFOptions
-from skip_plugin_trainer.algorithm_settings import ActorConfig, Optim
+from skip_plugin_trainer.algorithm_settings import ActorConfig, AlgorithmConfig, Optim
+from skip_plugin_trainer.algorithms.advantages import grpo
+from skip_plugin_trainer.algorithms.contract import AdvantageInputs
 from skip_plugin_trainer.reward import place_on_last_token
 from skip_plugin_trainer.rollout.agent_loop import AgentLoop
 from skip_plugin_trainer.rollout.tools import HermesParser
 from skip_plugin_trainer.run_sections import LoopConfig
-from skip_plugin_trainer.train.algorithm import compute_advantages
 from skip_plugin_trainer.train.policy import Policy
 
 PROBLEMS = problems("learning-test", 8, seed=0)
@@ -81,7 +82,8 @@ def test_grpo_updates_on_one_batch_favour_what_scored_and_the_batch_scores_highe
         before = scores(loop, batch)
         mask = batch.batch["response_mask"]
         groups = np.repeat(np.arange(len(PROBLEMS)), SAMPLES)
-        advantages, _ = compute_advantages("grpo", place_on_last_token(before, mask), mask, groups)
+        inputs = AdvantageInputs(place_on_last_token(before, mask), mask, groups)
+        advantages, _ = grpo(inputs, AlgorithmConfig())
         batch.batch["advantages"] = advantages
         start = sequence_log_probs(policy, batch)
         for _ in range(UPDATES):

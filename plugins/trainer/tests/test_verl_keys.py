@@ -60,7 +60,12 @@ def test_an_interpolation_of_the_shipped_config_follows_the_verl_path():
         (["data.train_batch_size=0"], r"^data\.train_batch_size: 0 is fully-async's"),
         (["algorithm.kl_ctrl.type=adaptive"], r"^algorithm\.kl_ctrl\.type: not implemented"),
         (["+reward_model.reward_manager=prime"], r"^reward_model\.reward_manager: 'prime' is not implemented"),
-        (["+actor_rollout_ref.actor.policy_loss.loss_mode=gspo"], r"policy_loss\.loss_mode: not implemented"),
+        (
+            ["+actor_rollout_ref.actor.policy_loss.loss_mode=ppo2"],
+            r"^actor_rollout_ref\.actor\.policy_loss\.loss_mode \(skip's actor\.policy_loss\.loss_mode\): unknown .ppo2.; "
+            r"registered: bypass_mode, cispo, ",
+        ),
+        (["algorithm.adv_estimator=remax"], r"^algorithm\.adv_estimator: remax needs reward_baselines, which skip"),
         (["+critic.model.path=/elsewhere"], r"^critic\.model\.path: '/elsewhere' is not implemented"),
         (["+foo.bar=1"], r"^foo: unknown key \(allowed: actor, .*\)"),
     ],

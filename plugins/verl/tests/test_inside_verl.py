@@ -41,6 +41,7 @@ DISTRIBUTIONS = (
     "core",
     *(f"plugins/{role}" for role in ("rollout", "async_rollout", "reward", "old_log_prob", "ref_log_prob", "values")),
     "plugins/profiling",
+    "plugins/trainer",  # its algorithms, checked against verl's (in_verl/test_*_match_verl.py)
     "plugins/verl",
 )
 TEMPLATE_ROLE = "judge"

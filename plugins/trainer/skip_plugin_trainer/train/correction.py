@@ -6,19 +6,22 @@ or more updates older than the policy being trained (and, even in ``sync``, engi
 differ a little from the trainer's). ``correct`` compares a policy's log-probs with the rollout's
 (verl's ``compute_rollout_correction_and_rejection_mask``): in decoupled mode the recomputed old
 log-probs, once per batch; in bypass mode the log-probs being trained, per micro-batch, inside
-``bypass_policy_loss`` (verl's ``compute_policy_loss_bypass_mode``). Every metric is verl's, by
+``bypass_mode`` (verl's ``compute_policy_loss_bypass_mode``). Every metric is verl's, by
 its ``rollout_corr/*`` name.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
 from skip_plugin_trainer.algorithm_settings import RolloutCorrection
-from skip_plugin_trainer.train.algorithm import PolicyLoss, Totals, masked_mean, policy_loss, reinforce_loss
+from skip_plugin_trainer.algorithms.aggregation import masked_mean
+from skip_plugin_trainer.algorithms.contract import LossContext, LossInputs, PolicyLoss
+from skip_plugin_trainer.algorithms.losses import reinforce, vanilla
 
 # verl's bound on a log-ratio before ``exp``: past exp(20) a weight is meaningless anyway.
 SAFETY_BOUND = 20.0
@@ -46,32 +49,27 @@ def correct(
     return weights, mask, metrics | offpolicy_metrics(log_prob, rollout_log_prob, response_mask)
 
 
-def bypass_policy_loss(
-    correction: RolloutCorrection,
-    rollout_log_prob: Tensor,
-    log_prob: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    totals: Totals | None = None,
-    **ppo: float | str | None,
-) -> tuple[PolicyLoss, dict[str, float]]:
-    """The loss of bypass mode, where the rollout log-probs are the old ones. ``ppo_clip``: PPO's
-    clipped loss, whose ratio is already policy / rollout, so IS weights would count it twice and
-    are only measured. ``reinforce``: -A log pi, weighted by them when ``rollout_is`` is set.
-    Either way the rejected tokens leave the loss (not the entropy or KL terms, as in verl).
+def bypass_mode(inputs: LossInputs, ctx: LossContext) -> PolicyLoss:
+    """The loss of bypass mode (verl's ``bypass_mode``), where ``inputs.old_log_prob`` are the
+    rollout's. ``ppo_clip``: PPO's clipped loss, whose ratio is already policy / rollout, so IS
+    weights would count it twice and are only measured. ``reinforce``: -A log pi, weighted by
+    them when ``rollout_is`` is set. Either way the rejected tokens leave the loss (not the
+    entropy or KL terms, as in verl); the metrics include the ``rollout_corr/*`` ones.
 
     The loss divides by the mini-batch's tokens or rows counted before any was rejected
-    (``totals``, by default those of ``response_mask``), as verl's does: a rejected token adds 0
-    to the mean instead of leaving it, so the tokens kept weigh no more than they would have."""
-    totals = totals or Totals.of(response_mask)
+    (``ctx.totals``), as verl's does: a rejected token adds 0 to the mean instead of leaving it,
+    so the tokens kept weigh no more than they would have."""
+    correction = ctx.correction
+    if correction is None:
+        raise ValueError("actor.policy_loss.loss_mode: bypass_mode needs algorithm.rollout_correction.bypass_mode=true")
     with torch.no_grad():
-        weights, mask, metrics = correct(correction, log_prob, rollout_log_prob, response_mask)
+        weights, mask, metrics = correct(correction, inputs.log_prob, inputs.old_log_prob, inputs.response_mask)
+    kept = replace(ctx, mask=mask)
     if correction.loss_type == "reinforce":
-        mode = ppo["loss_agg_mode"]
-        result = reinforce_loss(log_prob, rollout_log_prob, advantages, mask, mode, weights=weights, totals=totals)
+        result = reinforce(replace(inputs, response_mask=mask, weights=weights), kept)
     else:
-        result = policy_loss(rollout_log_prob, log_prob, advantages, mask, totals=totals, **ppo)
-    return result, metrics
+        result = vanilla(replace(inputs, response_mask=mask, weights=None), kept)
+    return PolicyLoss(result.loss, result.metrics | metrics)
 
 
 def rollout_is_weights(

@@ -14,8 +14,6 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from skip_plugin_trainer.train.algorithm import entropy_from_logits, log_probs_from_logits
-
 
 def token_log_probs(
     logits: Tensor,
@@ -47,3 +45,16 @@ def _piece(logits: Tensor, labels: Tensor, temperature: float, entropy: bool) ->
     scaled = logits.float() / temperature
     log_probs = log_probs_from_logits(scaled, labels)
     return log_probs, entropy_from_logits(scaled) if entropy else log_probs.new_empty(0)
+
+
+def log_probs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
+    """Log-prob of each label, via logsumexp so the full log-softmax over the vocabulary is never stored."""
+    logits = logits.float()
+    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Per-position entropy written as logsumexp minus the expected logit, which stays finite for large logits."""
+    logits = logits.float()
+    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)

@@ -21,7 +21,7 @@ from skip_core.batch import Batch
 from skip_core.weight_group import Layout
 
 from skip_plugin_trainer.actors import settle
-from skip_plugin_trainer.train.algorithm import Totals
+from skip_plugin_trainer.algorithms.aggregation import Totals
 from skip_plugin_trainer.train.trained import UpdateMetrics
 
 

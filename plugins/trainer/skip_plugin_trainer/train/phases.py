@@ -7,17 +7,21 @@ advantages; log-probs and updates run on the policy and critic workers, which se
 
 from __future__ import annotations
 
+import warnings
+
 from skip_core.batch import Batch
 from skip_core.layout import Column, Layout
 from skip_core.manager import SkipManager
 from skip_core.schedule import StepRecord
 
+from skip_plugin_trainer.algorithms.aggregation import agg_loss
+from skip_plugin_trainer.algorithms.contract import AdvantageInputs, estimators, named
+from skip_plugin_trainer.algorithms.kl import apply_kl_penalty
 from skip_plugin_trainer.reward import Rewarder
 from skip_plugin_trainer.settings import RunSettings
-from skip_plugin_trainer.train.algorithm import agg_loss, apply_kl_penalty, compute_advantages
 from skip_plugin_trainer.train.correction import correct
 from skip_plugin_trainer.train.model_group import ModelGroup
-from skip_plugin_trainer.train.value import gae_advantages, value_metrics
+from skip_plugin_trainer.train.value import value_metrics
 
 # What the policy worker reads; nothing else crosses to it.
 ACTOR_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
@@ -50,6 +54,13 @@ class Phases:
         self.settings, self.actor, self.rewarder, self.critic = settings, actor, rewarder, critic
         self.correction = settings.algorithm.rollout_correction
         self.bypass = settings.bypass_mode(overlapped)
+        loss_mode = settings.actor.policy_loss.loss_mode
+        if self.bypass and loss_mode not in ("vanilla", "bypass_mode"):
+            warnings.warn(
+                f"actor.policy_loss.loss_mode: {loss_mode} is replaced by bypass mode's loss "
+                f"(algorithm.rollout_correction.loss_type={self.correction.loss_type}), as in verl",
+                stacklevel=2,
+            )
 
     def train(self, batch: Batch, record: StepRecord) -> None:
         if "token_level_scores" not in batch.batch:  # dynamic sampling scored it already
@@ -150,20 +161,17 @@ class Phases:
             # verl's order: after the KL penalty, which saw every token, before the advantages
             metrics |= self.rollout_correction(batch)
             mask = batch.batch["response_mask"]
-        rewards = batch.batch["token_level_rewards"]
-        if algo.adv_estimator == "gae":
-            values = batch.batch["values"]
-            advantages, returns = gae_advantages(rewards, values, mask, gamma=algo.gamma, lam=algo.lam)
-            metrics |= value_metrics(values, returns, mask)
-        else:
-            advantages, returns = compute_advantages(
-                algo.adv_estimator,
-                rewards,
-                mask,
-                batch.non_tensor_batch["uid"],
-                gamma=algo.gamma,
-                norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
-            )
+        rewards, given = batch.batch["token_level_rewards"], batch.batch
+        estimator = named(estimators(), algo.adv_estimator, "algorithm.adv_estimator")
+        inputs = AdvantageInputs(
+            rewards, mask, batch.non_tensor_batch["uid"],
+            values=given.get("values"), reward_baselines=given.get("reward_baselines"),
+            old_log_probs=given.get("old_log_probs"), sum_pi_squared=given.get("sum_pi_squared"),
+            rollout_is_weights=given.get("rollout_is_weights"),
+        )  # fmt: skip
+        advantages, returns = estimator.compute(inputs, algo)
+        if inputs.values is not None:
+            metrics |= value_metrics(inputs.values, returns, mask)
         batch.batch["advantages"], batch.batch["returns"] = advantages, returns
         return metrics
 

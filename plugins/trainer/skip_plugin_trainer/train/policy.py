@@ -17,11 +17,13 @@ from skip_core.batch import Batch
 from skip_core.weight_group import Layout, WeightGroup
 
 from skip_plugin_trainer.algorithm_settings import ActorConfig, RolloutCorrection
+from skip_plugin_trainer.algorithms.aggregation import Totals, agg_loss
+from skip_plugin_trainer.algorithms.contract import LossContext, LossInputs, named, policy_losses
+from skip_plugin_trainer.algorithms.kl import kl_penalty
 from skip_plugin_trainer.rollout.weights import Bucket
 from skip_plugin_trainer.run_sections import ModelConfig
 from skip_plugin_trainer.train import lora as peft_lora
-from skip_plugin_trainer.train.algorithm import Totals, agg_loss, kl_penalty, policy_loss
-from skip_plugin_trainer.train.correction import bypass_policy_loss
+from skip_plugin_trainer.train.correction import bypass_mode
 from skip_plugin_trainer.train.distributed import Group, full, join, own_state, shard, world
 from skip_plugin_trainer.train.loading import pretrained
 from skip_plugin_trainer.train.logits import token_log_probs
@@ -69,6 +71,7 @@ class Policy(TrainedModel):
         torch.manual_seed(seed)
         # Rollout log-probs are taken at the sampling temperature; greedy rollouts sample at 1.
         self.temperature = temperature or 1.0
+        self._policy_loss = named(policy_losses(), config.policy_loss.loss_mode, "actor.policy_loss.loss_mode")
         model_config = model_config or ModelConfig()
         self.precision = precision = Precision.of(config.fsdp_config, device)
         kernel = attention(model_config.attn_implementation, device, precision.compute)
@@ -194,28 +197,21 @@ class Policy(TrainedModel):
 
     def _step(self, mini: Batch, totals: Totals, metrics: UpdateMetrics) -> None:
         cfg = self.config
-        ppo = {
-            "clip_ratio_low": cfg.clip_ratio_low,
-            "clip_ratio_high": cfg.clip_ratio_high,
-            "clip_ratio_c": cfg.clip_ratio_c,
-            "loss_agg_mode": cfg.loss_agg_mode,
-        }
         # Bypass mode (the phases send it): the old log-probs are the rollout's, and the loss
-        # weighs and rejects tokens by how far the policy now is from them (verl's bypass loss).
-        bypass: RolloutCorrection | None = mini.meta_info.get("rollout_correction")
+        # weighs and rejects tokens by how far the policy now is from them (verl's bypass loss,
+        # which replaces actor.policy_loss.loss_mode as verl's trainer does).
+        correction: RolloutCorrection | None = mini.meta_info.get("rollout_correction")
+        policy_loss = bypass_mode if correction is not None else self._policy_loss
         parts = metrics.parts[-1]
 
         def loss(micro: Batch) -> torch.Tensor:
             log_prob, entropy = self._forward(self.model, micro, entropy=cfg.entropy_coeff != 0)
             mask = micro.batch["response_mask"]
-            old, advantages = micro.batch["old_log_probs"], micro.batch["advantages"]
-            if bypass is None:
-                weights = micro.batch.get("rollout_is_weights")  # decoupled mode's, when rollout_is is set
-                result = policy_loss(old, log_prob, advantages, mask, weights=weights, totals=totals, **ppo)
-            else:
-                result, corrected = bypass_policy_loss(bypass, old, log_prob, advantages, mask, totals, **ppo)
-                for key, value in corrected.items():
-                    metrics.means[key].append(value)
+            inputs = LossInputs(
+                micro.batch["old_log_probs"], log_prob, micro.batch["advantages"], mask,
+                weights=micro.batch.get("rollout_is_weights"),  # decoupled mode's, when rollout_is is set
+            )  # fmt: skip
+            result = policy_loss(inputs, LossContext(cfg, totals, mask, correction))
             total = result.loss
             if cfg.entropy_coeff:
                 total = total - cfg.entropy_coeff * agg_loss(entropy, mask, cfg.loss_agg_mode, totals)
@@ -225,9 +221,11 @@ class Policy(TrainedModel):
                 total = total + cfg.kl_loss_coef * kl
                 parts["actor/kl_loss"] += kl.item()
             parts["actor/pg_loss"] += result.loss.item()
-            if result.clipfrac is not None:  # reinforce clips nothing
-                parts["actor/pg_clipfrac"] += result.clipfrac
-            parts["actor/ppo_kl"] += result.approx_kl
+            for key, value in result.metrics.items():
+                if key.startswith("actor/"):  # parts of the mini-batch's value
+                    parts[key] += value
+                else:  # the rollout correction's, a value per micro-batch
+                    metrics.means[key].append(value)
             return total
 
         grad_norm = self._micro_batches(mini, loss)

@@ -21,8 +21,8 @@ import torch
 from skip_core.batch import Batch
 
 from skip_plugin_trainer.actors import Located
+from skip_plugin_trainer.algorithms.aggregation import Totals
 from skip_plugin_trainer.train import lr_schedule, shards
-from skip_plugin_trainer.train.algorithm import Totals
 from skip_plugin_trainer.train.distributed import Group, as_float, join, rank, shard, world
 from skip_plugin_trainer.train.micro_batches import split
 from skip_plugin_trainer.train.offload import Offload, resident

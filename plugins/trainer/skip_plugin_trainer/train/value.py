@@ -1,6 +1,7 @@
-"""The critic's math, with verl's semantics: GAE advantages and returns, the clipped value loss,
-and the value metrics of a step. Pure functions over ``[batch, response_len]`` tensors, like
-``algorithm.py``; ``values[:, t]`` is the critic's estimate before response token ``t``.
+"""The critic's math, with verl's semantics: the clipped value loss and the value metrics of a
+step (GAE itself is an advantage estimator: ``algorithms/token_advantages.py``). Pure functions
+over ``[batch, response_len]`` tensors; ``values[:, t]`` is the critic's estimate before response
+token ``t``.
 """
 
 from __future__ import annotations
@@ -10,31 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from skip_plugin_trainer.train.algorithm import Totals, agg_loss, masked_whiten, token_share
-
-
-def gae_advantages(
-    token_level_rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, lam: float
-) -> tuple[Tensor, Tensor]:
-    """Generalised advantage estimation (Schulman et al. 2016): advantages whitened over the
-    batch's loss tokens, and returns = advantages + values before whitening (the critic's target).
-
-    A token off the mask (a tool response inside a multi-turn answer) is skipped, not a step:
-    the next value and the running estimate carry across it, as in verl.
-    """
-    rewards, values = token_level_rewards.float(), values.float()
-    mask = response_mask.to(rewards.dtype)
-    next_value = rewards.new_zeros(rewards.shape[0])
-    running = rewards.new_zeros(rewards.shape[0])
-    advantages = torch.zeros_like(rewards)
-    for t in reversed(range(rewards.shape[1])):
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        estimate = delta + gamma * lam * running
-        next_value = values[:, t] * mask[:, t] + (1 - mask[:, t]) * next_value
-        running = estimate * mask[:, t] + (1 - mask[:, t]) * running
-        advantages[:, t] = running
-    returns = advantages + values
-    return masked_whiten(advantages, mask) * mask, returns * mask
+from skip_plugin_trainer.algorithms.aggregation import Totals, agg_loss, token_share
 
 
 @dataclass(frozen=True)
