@@ -34,7 +34,7 @@ from skip_core.layout import Layout
 from skip_core.plugins import pm, registry
 from skip_core.provenance import Setup
 from skip_core.roles import Call, Role, prompts_of, prompts_position
-from skip_core.schedule import VALIDATE
+from skip_core.schedule import GREEDY, VALIDATE
 from skip_core.sections import parse_roles
 from skip_core.store import CacheStore, CacheWarning
 
@@ -94,8 +94,8 @@ class _Slot:
         function's signature, where its prompts are, and the layout it declared it returns."""
         signature, position, layout = how
         meta = getattr(prompts_of(args, kwargs, position), "meta_info", None)
-        if isinstance(meta, Mapping) and meta.get(VALIDATE):
-            return None  # validation never loads or dumps
+        if isinstance(meta, Mapping) and (meta.get(VALIDATE) or meta.get(GREEDY)):
+            return None  # validation and greedy baselines never load or dump
         call = Call(fn, args, kwargs, signature, layout)
         if self.online:
             step = pm.hook.skip_resolve_step(role=self.role, config=self.config, call=call)

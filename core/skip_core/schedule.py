@@ -28,6 +28,9 @@ GLOBAL_STEPS = "global_steps"
 #: On validation prompts (verl's name), by the trainer: the core's roles let them through, the rollout samples
 #: them with its validation settings.
 VALIDATE = "validate"
+#: On training prompts, by the trainer: one greedy response each, a baseline (ReMax's) rather than samples to
+#: train on. The core's roles let them through, as validation's.
+GREEDY = "greedy"
 #: The batch row of the prompts' first, by a streaming schedule or the trainer: the rollout seeds and names row
 #: ``i`` as row ``index_base + i``, however the batch was cut.
 INDEX_BASE = "index_base"

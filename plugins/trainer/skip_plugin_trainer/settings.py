@@ -57,7 +57,7 @@ from skip_plugin_trainer.verl_keys import Resolved, resolve
 from skip_plugin_trainer.weight_sync import WeightSync, choose
 
 #: What the trainer gives an advantage estimator beside rewards, mask and groups (``Estimator.needs``).
-PROVIDED_TO_ESTIMATORS = frozenset({"values", "old_log_probs", "rollout_is_weights"})
+PROVIDED_TO_ESTIMATORS = frozenset({"values", "reward_baselines", "old_log_probs", "rollout_is_weights"})
 
 
 def _registered(table: dict[str, Any], name: str, key: str) -> Any:

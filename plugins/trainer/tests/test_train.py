@@ -14,8 +14,9 @@ from rich.console import Console
 from skip_core import ConfigError, encoding
 from skip_core.cli import cli
 from skip_core.entries import scan, verify
-from skip_core.schedule import GEN, STEP, WEIGHT_SYNC
+from skip_core.schedule import GEN, GLOBAL_STEPS, GREEDY, STEP, WEIGHT_SYNC
 from skip_plugin_trainer.commands import compose_config
+from skip_plugin_trainer.data import generation_inputs
 from skip_plugin_trainer.train.trainer import Trainer
 from skiptests import CONFIGS
 from training import metrics, overrides, train, undeclared_phases
@@ -122,6 +123,29 @@ def test_generate_returns_at_once_and_weights_wait_for_it(ray_session, task_dir,
         assert len(batch) == 8 and "responses" in batch.batch  # 4 prompts x rollout.n=2
         assert set(batch.non_tensor_batch["max_weight_version"]) == {0} and batch.meta_info["generate_s"] > 0
         trainer.sync_weights()
+    finally:
+        trainer.close()
+
+
+def test_remax_baselines_each_prompt_with_its_greedy_responses_score(ray_session, task_dir, tmp_path):
+    """verl's ReMax: a generation adds one greedy response per prompt, from the same weights,
+    scored by the reward function; every sample of the prompt gets that score as its baseline."""
+    more = ("trainer.resume_mode=disable", "algorithm.adv_estimator=remax")
+    trainer = Trainer(compose_config(CONFIGS, "run", tuple(overrides(task_dir, tmp_path, *more))), Console())
+    try:
+        trainer.start()
+        prompts = trainer.prompts()
+        batch = trainer.generate(prompts.select(), 1).result(timeout=300)
+        assert trainer.rollout.calls == 2  # the samples, then the greedy responses
+        baselines = batch.batch["reward_baselines"]
+        assert baselines.shape == (8,) and torch.equal(baselines[0::2], baselines[1::2])  # rollout.n=2
+        rest = prompts.select()
+        greedy = generation_inputs(rest)
+        greedy.meta_info.update({GLOBAL_STEPS: 1, GREEDY: True})
+        again = trainer.rollout.generate_sequences(greedy)
+        assert len(again) == 4  # one each, whatever rollout.n says
+        scores, _ = trainer.rewarder(rest.union(again))
+        torch.testing.assert_close(baselines[0::2], scores.sum(-1))
     finally:
         trainer.close()
 

@@ -62,10 +62,13 @@ def test_an_interpolation_of_the_shipped_config_follows_the_verl_path():
         (["+reward_model.reward_manager=prime"], r"^reward_model\.reward_manager: 'prime' is not implemented"),
         (
             ["+actor_rollout_ref.actor.policy_loss.loss_mode=ppo2"],
-            r"^actor_rollout_ref\.actor\.policy_loss\.loss_mode \(skip's actor\.policy_loss\.loss_mode\): unknown .ppo2.; "
-            r"registered: bypass_mode, cispo, ",
+            r"^actor_rollout_ref\.actor\.policy_loss\.loss_mode \(skip's actor\.policy_loss\.loss_mode\): "
+            r"unknown .ppo2.; registered: bypass_mode, cispo, ",
         ),
-        (["algorithm.adv_estimator=remax"], r"^algorithm\.adv_estimator: remax needs reward_baselines, which skip"),
+        (
+            ["algorithm.adv_estimator=optimal_token_baseline"],
+            r"^algorithm\.adv_estimator: optimal_token_baseline needs sum_pi_squared, which skip",
+        ),
         (["+critic.model.path=/elsewhere"], r"^critic\.model\.path: '/elsewhere' is not implemented"),
         (["+foo.bar=1"], r"^foo: unknown key \(allowed: actor, .*\)"),
     ],

@@ -25,7 +25,7 @@ from skip_core.backend import FinishReason, Generation, RolloutBackend, Sampling
 from skip_core.batch import Batch
 from skip_core.loop_thread import LoopThread
 from skip_core.manager import SkipManager
-from skip_core.schedule import GLOBAL_STEPS, INDEX_BASE, VALIDATE
+from skip_core.schedule import GLOBAL_STEPS, GREEDY, INDEX_BASE, VALIDATE
 from skip_core.weight_group import Layout, WeightGroup
 
 from skip_plugin_trainer.data.chat import ChatFormat
@@ -120,6 +120,8 @@ class AgentLoop:
         self.rollouts += 1
         validate = bool(prompts.meta_info.get(VALIDATE, False))
         sampling = self.config.val_kwargs if validate else self.config
+        if prompts.meta_info.get(GREEDY):  # a baseline's one greedy response per prompt (ReMax's)
+            sampling = Sampling(n=1, temperature=0.0)
         key = sample_key if sample_key is not None else f"step{prompts.meta_info.get(GLOBAL_STEPS, 0)}"
         # A worker given rows [base, base + len) of a split batch seeds them as the whole batch would.
         base = int(prompts.meta_info.get(INDEX_BASE, 0))

@@ -32,6 +32,7 @@ from skip_core.schedule import (
     EPOCH,
     GENERATE_S,
     GLOBAL_STEPS,
+    GREEDY,
     INDEX_BASE,
     LOADER_STATE,
     LOADER_STATE_BEFORE,
@@ -242,10 +243,24 @@ class Trainer:
                 output = await asyncio.to_thread(self.rollout.generate_sequences, gen_batch)
         else:
             output = await self.rollout.generate_sequences_single(gen_batch, sample_id)
+        if "reward_baselines" in self.settings.estimator().needs:
+            batch.batch["reward_baselines"] = await self._greedy_baseline(gen_batch, batch, step, base)
         batch.non_tensor_batch["uid"] = np.array([f"{step}:{base + i}" for i in range(len(batch))], dtype=object)
         batch = batch.repeat(self.settings.rollout.n, interleave=True).union(output)
         batch.meta_info[GENERATE_S] = time.perf_counter() - start
         return batch
+
+    async def _greedy_baseline(self, gen_batch: Batch, prompts: Batch, step: int, base: int) -> torch.Tensor:
+        """ReMax's baseline, as verl computes it: each prompt's greedy response from the weights
+        that sampled its responses, scored by the reward function, before the prompts are
+        repeated. Not cached: skip roles let greedy generations through (``GREEDY``)."""
+        greedy = Batch(
+            gen_batch.batch, gen_batch.non_tensor_batch, {GLOBAL_STEPS: step, INDEX_BASE: base, GREEDY: True}
+        )
+        with spans.span("trainer/greedy_baseline", step=step):
+            output = await asyncio.to_thread(self.rollout.generate_sequences, greedy)
+        scores, _ = self.rewarder(prompts.select().union(output))
+        return scores.sum(-1)
 
     def train(self, batch: Batch, record: StepRecord) -> None:
         if self.settings.algorithm.filter_groups.enable:
