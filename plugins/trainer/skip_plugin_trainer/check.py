@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 from rich.console import Console
 
+from skip_plugin_trainer import verl_defaults
 from skip_plugin_trainer.rollout.parts import RolloutParts, load_tokenizer, prompt_loader
 from skip_plugin_trainer.settings import RolloutSettings, RunSettings
 
@@ -44,7 +45,7 @@ def check(config: Any, console: Console, command: str) -> RolloutSettings:
         task_rewarder(settings, tokenizer, prompt_loader(settings, tokenizer, parts.tools).dataset)
     console.print(yaml.safe_dump(settings.dump(), sort_keys=False).rstrip(), soft_wrap=True, markup=False)
     if isinstance(settings, RunSettings):
-        lines = [*settings.placement().lines(), settings.weight_sync().line()]  # YAML comments, as the estimate
+        lines = [*settings.placement().lines(), settings.weight_sync().line(), *verl_defaults.lines(settings.dump())]
         console.print("\n".join(f"# {line}" for line in lines), soft_wrap=True, markup=False)
     if isinstance(settings, RunSettings) and not missing:
         _print_memory(settings, console)

@@ -41,7 +41,11 @@ DISTRIBUTIONS = (
     "core",
     *(f"plugins/{role}" for role in ("rollout", "async_rollout", "reward", "old_log_prob", "ref_log_prob", "values")),
     "plugins/profiling",
-    "plugins/trainer",  # its algorithms, checked against verl's (in_verl/test_*_match_verl.py)
+    # the trainer's algorithms and defaults, checked against verl's (in_verl/test_*_match_verl.py,
+    # test_verl_defaults.py, which composes skip run's config: its default backend and task too)
+    "plugins/trainer",
+    "plugins/hf",
+    "plugins/arithmetic",
     "plugins/verl",
 )
 TEMPLATE_ROLE = "judge"
