@@ -136,7 +136,7 @@ class Rewarder:
         """Token-level scores [samples, response length] and per-sample parts for logging."""
         texts = self.tokenizer.batch_decode(batch.batch["responses"], skip_special_tokens=True)
         extras = batch.non_tensor_batch
-        scores, timed_out = self._scores(texts, extras)
+        scores, timed_out, named = self._scores(texts, extras)
         non_finite = ~np.isfinite(scores)
         if non_finite.any():
             first = int(np.flatnonzero(non_finite)[0])
@@ -152,6 +152,8 @@ class Rewarder:
         if self.config.tool_rewards and "reward_scores" in extras:
             tools = np.array([sum(float(v) for v in (r or {}).values()) for r in extras["reward_scores"]])
         parts = {"score": scores, "tool_reward": tools, "reward_timed_out": timed_out, "reward_non_finite": non_finite}
+        # a part never replaces what the batch holds already (its data_source, uid ...)
+        parts |= {key: values for key, values in named.items() if key not in parts and key not in extras}
         total = scores + tools
         if self.config.overlong_buffer.enable:
             width = batch.batch["responses"].shape[1]
@@ -160,23 +162,30 @@ class Rewarder:
             total = total + parts["overlong_reward"]
         return place_on_last_token(total, batch.batch["response_mask"]), parts
 
-    def _scores(self, texts: list[str], extras: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    def _scores(
+        self, texts: list[str], extras: Mapping[str, np.ndarray]
+    ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
         """Each sample's score as the function gave it (NaN and infinities included), 0 for a call
-        past ``reward.timeout_s``; and which calls were."""
+        past ``reward.timeout_s``; which calls were; and the other numbers of the dicts the function
+        returned (verl's ``reward_extra_info``: GDPO's parts), by key, 0 where a sample had none."""
         scores, timed_out = np.zeros(len(texts)), np.zeros(len(texts), dtype=bool)
+        named: dict[str, np.ndarray] = {}
         try:
             for i, text in enumerate(texts):
-                score = self._call(i, text, extras)
-                if score is None:
+                outcome = self._call(i, text, extras)
+                if outcome is None:
                     timed_out[i] = True
-                else:
-                    scores[i] = score
+                    continue
+                scores[i] = outcome[0]
+                for key, value in outcome[1].items():
+                    named.setdefault(key, np.zeros(len(texts)))[i] = value
         finally:
             self.calls.close()
-        return scores, timed_out
+        return scores, timed_out, named
 
-    def _call(self, i: int, text: str, extras: Mapping[str, np.ndarray]) -> float | None:
-        """Sample ``i``'s score as the function gave it; None for a call past ``reward.timeout_s``."""
+    def _call(self, i: int, text: str, extras: Mapping[str, np.ndarray]) -> tuple[float, dict[str, float]] | None:
+        """Sample ``i``'s score as the function gave it, with the dict's other numbers; None for a
+        call past ``reward.timeout_s``."""
         args = (extras["data_source"][i], text, extras["ground_truth"][i], extras["extra_info"][i])
         timeout = f"{self.config.timeout_s:g} s"
         try:
@@ -204,7 +213,19 @@ class Rewarder:
             raise RewardFunctionError(
                 f"reward function {self.label} returned {_shown(outcome.value)} on {_sample(i, extras)}; {EXPECTED}"
             )
-        return score
+        return score, _named_numbers(outcome.value)
+
+
+def _named_numbers(result: Any) -> dict[str, float]:
+    """The finite numbers of a returned dict beside its ``score``, by key (its other entries are
+    the function's own: text, lists ... stay out)."""
+    if not isinstance(result, Mapping):
+        return {}
+    return {
+        str(key): float(value)
+        for key, value in result.items()
+        if key != "score" and isinstance(value, (numbers.Real, np.bool_)) and math.isfinite(float(value))
+    }
 
 
 def _score(result: Any) -> float | None:

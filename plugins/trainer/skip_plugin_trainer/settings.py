@@ -57,7 +57,7 @@ from skip_plugin_trainer.verl_keys import Resolved, resolve
 from skip_plugin_trainer.weight_sync import WeightSync, choose
 
 #: What the trainer gives an advantage estimator beside rewards, mask and groups (``Estimator.needs``).
-PROVIDED_TO_ESTIMATORS = frozenset({"values", "reward_baselines", "old_log_probs", "rollout_is_weights"})
+PROVIDED_TO_ESTIMATORS = frozenset({"values", "reward_baselines", "old_log_probs", "rollout_is_weights", "scores"})
 
 
 def _registered(table: dict[str, Any], name: str, key: str) -> Any:
@@ -202,6 +202,11 @@ class RunSettings(RolloutSettings):
             raise ConfigError(
                 "actor.policy_loss.loss_mode: bypass_mode is the loss of "
                 "algorithm.rollout_correction.bypass_mode=true, which is false here"
+            )
+        if "scores" in self.estimator().needs and not self.algorithm.gdpo_reward_keys:
+            raise ConfigError(
+                f"algorithm.gdpo_reward_keys: {self.algorithm.adv_estimator} normalises the reward's parts named "
+                "here (numbers of the dict the reward function returns); none given"
             )
         missing = sorted(self.estimator().needs - PROVIDED_TO_ESTIMATORS)
         if missing:

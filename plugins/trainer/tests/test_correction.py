@@ -259,6 +259,25 @@ def test_decoupled_correction_rejects_before_the_advantages():
     assert metric(metrics, "rollout_rs_seq_masked_fraction") == pytest.approx(0.5)
 
 
+def test_gdpo_gets_the_reward_functions_named_parts_from_the_batch():
+    settings = RunSettings.from_config(
+        {"task": {"name": None}, "algorithm": {"adv_estimator": "gdpo", "gdpo_reward_keys": ["acc", "format"]}}
+    )
+    phases = Phases(settings, actor=None, rewarder=None, overlapped=False)
+    batch = padded_batch(ROWS[:3])
+    mask = batch.batch["response_mask"]
+    batch.batch["token_level_scores"] = torch.zeros(mask.shape)
+    batch.non_tensor_batch["uid"] = np.array(["a", "a", "a"], dtype=object)
+    batch.non_tensor_batch["acc"] = np.array([1.0, 0.0, 0.0])
+    batch.non_tensor_batch["format"] = np.array([0.0, 0.0, 1.0])
+    phases.compute_advantage(batch)
+    per_row = [float(row[m.bool()][0]) for row, m in zip(batch.batch["advantages"], mask, strict=True)]
+    assert per_row[0] > per_row[1] and per_row[2] > per_row[1]  # each part lifts its own row over the one with none
+    del batch.non_tensor_batch["format"]
+    with pytest.raises(ValueError, match=r"^algorithm\.gdpo_reward_keys: format not among what the reward function"):
+        phases.compute_advantage(batch)
+
+
 def test_the_policy_trains_bypass_reinforce_from_the_phases_settings(tiny_model_dir):
     config = ActorConfig(ppo_mini_batch_size=3, ppo_micro_batch_size=3, optim=Optim(lr=1e-3))
     worker = Policy(str(tiny_model_dir), config, samples_per_prompt=1, temperature=0.7)

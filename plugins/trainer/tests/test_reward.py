@@ -248,6 +248,28 @@ def test_numbers_of_every_kind_and_verls_dict_are_scores(custom):
     assert parts["score"].tolist() == [1.0, 2.0, 0.25, 3.0, 0.0, 1.0, -1.5]
 
 
+def test_a_dicts_other_numbers_are_named_parts_beside_the_score(custom):
+    """verl's reward_extra_info (what GDPO normalises): each finite number of the returned dict,
+    by its key, 0 for a sample without it; text, non-finite numbers and the batch's own keys stay out."""
+    config = custom(
+        """
+        VALUES = {
+            "a": {"score": 1.0, "format": 0.5, "note": "ok", "data_source": 7.0},
+            "b": {"score": 0.0, "format": True, "length": 3},
+            "c": 0.25,
+            "d": {"score": 0.5, "format": float("nan")},
+        }
+
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+            return VALUES[ground_truth]
+        """
+    )
+    _, parts = Rewarder(config, Tokenizer([""] * 4), 2)(responses([""] * 4, ["a", "b", "c", "d"]))
+    assert parts["score"].tolist() == [1.0, 0.0, 0.25, 0.5]
+    assert parts["format"].tolist() == [0.5, 1.0, 0.0, 0.0] and parts["length"].tolist() == [0.0, 3.0, 0.0, 0.0]
+    assert "note" not in parts and "data_source" not in parts
+
+
 @pytest.mark.parametrize(
     ("returns", "what"),
     [

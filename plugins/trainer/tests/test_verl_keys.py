@@ -69,6 +69,7 @@ def test_an_interpolation_of_the_shipped_config_follows_the_verl_path():
             ["algorithm.adv_estimator=optimal_token_baseline"],
             r"^algorithm\.adv_estimator: optimal_token_baseline needs sum_pi_squared, which skip",
         ),
+        (["algorithm.adv_estimator=gdpo"], r"^algorithm\.gdpo_reward_keys: gdpo normalises the reward's parts"),
         (["+critic.model.path=/elsewhere"], r"^critic\.model\.path: '/elsewhere' is not implemented"),
         (["+foo.bar=1"], r"^foo: unknown key \(allowed: actor, .*\)"),
     ],

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
+import torch
 from skip_core.batch import Batch
 from skip_core.layout import Column, Layout
 from skip_core.manager import SkipManager
@@ -167,13 +169,27 @@ class Phases:
             rewards, mask, batch.non_tensor_batch["uid"],
             values=given.get("values"), reward_baselines=given.get("reward_baselines"),
             old_log_probs=given.get("old_log_probs"), sum_pi_squared=given.get("sum_pi_squared"),
-            rollout_is_weights=given.get("rollout_is_weights"),
+            rollout_is_weights=given.get("rollout_is_weights"), scores=self._named_scores(batch, estimator),
         )  # fmt: skip
         advantages, returns = estimator.compute(inputs, algo)
         if inputs.values is not None:
             metrics |= value_metrics(inputs.values, returns, mask)
         batch.batch["advantages"], batch.batch["returns"] = advantages, returns
         return metrics
+
+    def _named_scores(self, batch: Batch, estimator) -> dict[str, torch.Tensor]:
+        """The reward function's named numbers GDPO normalises (``algorithm.gdpo_reward_keys``),
+        one float per row; a key no sample of the batch returned is refused naming what did."""
+        if "scores" not in estimator.needs:
+            return {}
+        keys, extras = self.settings.algorithm.gdpo_reward_keys or (), batch.non_tensor_batch
+        missing = [key for key in keys if key not in extras]
+        if missing:
+            raise ValueError(
+                f"algorithm.gdpo_reward_keys: {', '.join(missing)} not among what the reward function returned "
+                "beside its score (a dict's numbers)"
+            )
+        return {key: torch.as_tensor(np.asarray(extras[key], dtype=np.float64), dtype=torch.float32) for key in keys}
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
         return self.critic.update(batch.select([*ACTOR_INPUTS, "values", "returns"], [], []))
