@@ -185,6 +185,8 @@ class ActorConfig(_Section):
     ``policy_loss`` picks the loss (``PolicyLossConfig``); ``loss_agg_mode`` how it is reduced
     (verl's five modes; ``loss_scale_factor`` divides ``seq-mean-token-sum-norm``, null: by the
     response width); ``tau_pos`` / ``tau_neg`` are SAPO's gate temperatures.
+    ``calculate_sum_pi_squared``: the old log-prob pass also gives each token's sum of squared
+    probabilities, which the optimal token baselines need (verl's key: they refuse to run without it).
     ``entropy_from_logits_with_chunking`` takes log-probs and entropy ``entropy_from_logits_chunk_size``
     tokens at a time, so no [tokens x vocabulary] float32 tensor is whole; ``entropy_checkpointing``
     recomputes each chunk in the backward pass instead of keeping it.
@@ -201,6 +203,7 @@ class ActorConfig(_Section):
     policy_loss: PolicyLossConfig = PolicyLossConfig()
     tau_pos: PositiveFloat = 1.0
     tau_neg: PositiveFloat = 1.05
+    calculate_sum_pi_squared: bool = False
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: NonNegativeFloat = 0.001

@@ -208,7 +208,12 @@ class RunSettings(RolloutSettings):
                 f"algorithm.gdpo_reward_keys: {self.algorithm.adv_estimator} normalises the reward's parts named "
                 "here (numbers of the dict the reward function returns); none given"
             )
-        missing = sorted(self.estimator().needs - PROVIDED_TO_ESTIMATORS)
+        if "sum_pi_squared" in self.estimator().needs and not self.actor.calculate_sum_pi_squared:
+            raise ConfigError(
+                f"actor.calculate_sum_pi_squared: {self.algorithm.adv_estimator} needs each token's sum of squared "
+                "probabilities from the old log-prob pass; set it true (verl's key)"
+            )
+        missing = sorted(self.estimator().needs - PROVIDED_TO_ESTIMATORS - {"sum_pi_squared"})
         if missing:
             raise ConfigError(
                 f"algorithm.adv_estimator: {self.algorithm.adv_estimator} needs {', '.join(missing)}, "

@@ -69,6 +69,27 @@ def test_chunked_log_probs_and_entropy_equal_the_whole_with_and_without_a_gradie
     assert whole[0].dtype == torch.float32  # the float32 copy is per chunk, not of the compute dtype
 
 
+def test_the_sum_of_squared_probabilities_is_the_softmaxs_whole_or_chunked():
+    torch.manual_seed(0)
+    logits, labels = torch.randn(2, 4, 7) * 5, torch.randint(0, 7, (2, 4))
+    expected = (torch.softmax(logits / 0.7, -1) ** 2).sum(-1)
+    for chunk in (None, 3):
+        outputs = token_log_probs(logits, labels, temperature=0.7, entropy=False, chunk=chunk, sum_pi_squared=True)
+        assert outputs[1] is None
+        torch.testing.assert_close(outputs[2], expected)
+
+
+def test_the_old_log_prob_pass_gives_the_squares_when_asked(tiny_model_dir):
+    batch = padded_batch(ROWS)
+    plain = policy(tiny_model_dir).compute_log_prob(batch)
+    asked = policy(tiny_model_dir, calculate_sum_pi_squared=True).compute_log_prob(batch)
+    assert "sum_pi_squared" not in plain.batch
+    assert torch.equal(asked.batch["old_log_probs"], plain.batch["old_log_probs"])
+    mask = batch.batch["response_mask"].bool()
+    squares, picked = asked.batch["sum_pi_squared"][mask], asked.batch["old_log_probs"].exp()[mask]
+    assert (squares <= 1 + 1e-6).all() and (squares >= picked**2 - 1e-6).all()  # the label's own square is one term
+
+
 def test_train_mode_with_dropout_zeroed_changes_no_log_prob(tiny_model_dir, tmp_path):
     """A model whose config asks for attention dropout trains in train mode (checkpointing needs
     it) with every dropout at 0: its log-probs are those of eval mode, call after call."""

@@ -67,7 +67,7 @@ def test_an_interpolation_of_the_shipped_config_follows_the_verl_path():
         ),
         (
             ["algorithm.adv_estimator=optimal_token_baseline"],
-            r"^algorithm\.adv_estimator: optimal_token_baseline needs sum_pi_squared, which skip",
+            r"^actor\.calculate_sum_pi_squared: optimal_token_baseline needs each token.s sum of squared probabilities",
         ),
         (["algorithm.adv_estimator=gdpo"], r"^algorithm\.gdpo_reward_keys: gdpo normalises the reward's parts"),
         (["+critic.model.path=/elsewhere"], r"^critic\.model\.path: '/elsewhere' is not implemented"),

@@ -23,28 +23,36 @@ def token_log_probs(
     entropy: bool,
     chunk: int | None = None,
     recompute: bool = False,
-) -> tuple[Tensor, Tensor | None]:
-    """``labels``' log-probs under ``logits / temperature`` (``[batch, positions]``), and the
-    entropy at each position when ``entropy``; ``chunk`` tokens at a time (None: all at once)."""
+    sum_pi_squared: bool = False,
+) -> tuple[Tensor, ...]:
+    """``labels``' log-probs under ``logits / temperature`` (``[batch, positions]``), the entropy
+    at each position when ``entropy`` (else None), and with ``sum_pi_squared`` a third tensor:
+    the sum over the vocabulary of each position's squared probabilities (verl's, for the optimal
+    token baseline); ``chunk`` tokens at a time (None: all at once)."""
     rows, positions, vocabulary = logits.shape
     flat, flat_labels = logits.reshape(-1, vocabulary), labels.reshape(-1)
     step = chunk or max(flat.shape[0], 1)
     pieces = []
     for start in range(0, flat.shape[0], step):
-        part = (flat[start : start + step], flat_labels[start : start + step])
+        part = (flat[start : start + step], flat_labels[start : start + step], temperature, entropy, sum_pi_squared)
         if recompute and torch.is_grad_enabled():
-            pieces.append(checkpoint(_piece, *part, temperature, entropy, use_reentrant=False))
+            pieces.append(checkpoint(_piece, *part, use_reentrant=False))
         else:
-            pieces.append(_piece(*part, temperature, entropy))
+            pieces.append(_piece(*part))
     log_probs = torch.cat([p[0] for p in pieces]).reshape(rows, positions)
     entropys = torch.cat([p[1] for p in pieces]).reshape(rows, positions) if entropy else None
-    return log_probs, entropys
+    if not sum_pi_squared:
+        return log_probs, entropys
+    return log_probs, entropys, torch.cat([p[2] for p in pieces]).reshape(rows, positions)
 
 
-def _piece(logits: Tensor, labels: Tensor, temperature: float, entropy: bool) -> tuple[Tensor, Tensor]:
+def _piece(logits: Tensor, labels: Tensor, temperature: float, entropy: bool, squares: bool) -> tuple[Tensor, ...]:
     scaled = logits.float() / temperature
     log_probs = log_probs_from_logits(scaled, labels)
-    return log_probs, entropy_from_logits(scaled) if entropy else log_probs.new_empty(0)
+    empty = log_probs.new_empty(0)
+    # sum(pi^2) = exp(logsumexp(2 z) - 2 logsumexp(z)): no [tokens x vocabulary] softmax is kept
+    square_sums = torch.exp(torch.logsumexp(2 * scaled, -1) - 2 * torch.logsumexp(scaled, -1)) if squares else empty
+    return log_probs, entropy_from_logits(scaled) if entropy else empty, square_sums
 
 
 def log_probs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:

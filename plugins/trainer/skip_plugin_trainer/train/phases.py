@@ -33,7 +33,9 @@ REWARD_INPUTS = ("data_source", "ground_truth", "extra_info", "reward_scores")
 # result that does not fit is computed again, not loaded (``skip_core.layout``).
 PER_TOKEN = Column("float32", "response")
 REWARD = Layout({"token_level_scores": PER_TOKEN})
-OLD_LOG_PROB = Layout({"old_log_probs": PER_TOKEN, "entropys": PER_TOKEN})
+OLD_LOG_PROB = Layout(
+    {"old_log_probs": PER_TOKEN, "entropys": PER_TOKEN, "sum_pi_squared": Column("float32", "response", required=False)}
+)
 REF_LOG_PROB = Layout({"ref_log_prob": PER_TOKEN})
 VALUES = Layout({"values": PER_TOKEN})
 
@@ -105,6 +107,8 @@ class Phases:
     def compute_old_log_prob(self, batch: Batch) -> dict[str, float]:
         out = self.old_log_prob(batch.select(ACTOR_INPUTS, [], []))
         batch.batch["old_log_probs"] = out.batch["old_log_probs"]
+        if "sum_pi_squared" in out.batch:  # actor.calculate_sum_pi_squared
+            batch.batch["sum_pi_squared"] = out.batch["sum_pi_squared"]
         mask = batch.batch["response_mask"]
         metrics = {"actor/entropy": agg_loss(out.batch["entropys"], mask, self.settings.actor.loss_agg_mode).item()}
         if "rollout_log_probs" in batch.batch and mask.any():

@@ -117,11 +117,15 @@ class Policy(TrainedModel):
     @torch.no_grad()
     @resident
     def compute_log_prob(self, batch: Batch) -> Batch:
-        """``old_log_probs`` and per-token ``entropys`` under the current weights."""
+        """``old_log_probs`` and per-token ``entropys`` under the current weights, and with
+        ``actor.calculate_sum_pi_squared`` the per-token ``sum_pi_squared``."""
         micros = split(batch, self.config.ppo_micro_batch_size, self.config.log_prob_budget())
-        parts = [self._forward(self.model, micro) for micro in micros.micros]
-        log_probs, entropys = (micros.restore(torch.cat([part[i] for part in parts])).cpu() for i in (0, 1))
-        return Batch({"old_log_probs": log_probs, "entropys": entropys})
+        squares = self.config.calculate_sum_pi_squared
+        parts = [self._forward(self.model, micro, sum_pi_squared=squares) for micro in micros.micros]
+        names = ("old_log_probs", "entropys", "sum_pi_squared")[: len(parts[0])]
+        return Batch(
+            {name: micros.restore(torch.cat([part[i] for part in parts])).cpu() for i, name in enumerate(names)}
+        )
 
     @torch.no_grad()
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
@@ -179,21 +183,23 @@ class Policy(TrainedModel):
 
     # -- internals ---------------------------------------------------------------------
 
-    def _forward(self, model: Any, batch: Batch, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Response log-probs (and entropies), right-padded to the response width."""
+    def _forward(self, model: Any, batch: Batch, entropy: bool = True, sum_pi_squared: bool = False) -> tuple:
+        """Response log-probs and entropies (None without ``entropy``), and with ``sum_pi_squared``
+        each token's sum of squared probabilities, right-padded to the response width."""
         batch = on_device(batch, self.device)
         width = batch.batch["responses"].shape[1]
         with self.precision.autocast(self.device, sharded=world() > 1):
             logits = response_outputs(model, batch)
-        log_probs, entropys = token_log_probs(
+        outputs = token_log_probs(
             logits,
             batch.batch["responses"][:, : logits.shape[1]],
             temperature=self.temperature,
             entropy=entropy,
             chunk=self.config.chunk,
             recompute=self.config.entropy_checkpointing,
+            sum_pi_squared=sum_pi_squared,
         )
-        return pad_right(log_probs, width), pad_right(entropys, width) if entropys is not None else None
+        return tuple(pad_right(output, width) if output is not None else None for output in outputs)
 
     def _step(self, mini: Batch, totals: Totals, metrics: UpdateMetrics) -> None:
         cfg = self.config
