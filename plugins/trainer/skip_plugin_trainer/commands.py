@@ -157,6 +157,10 @@ def forced(overrides: tuple[str, ...]) -> list[str]:
     from skip_plugin_trainer.verl_keys import alias
 
     out, seen = [], {}
+    # verl's null for one spelling (ppo_micro_batch_size=null beside ppo_micro_batch_size_per_gpu=8,
+    # as its scripts write) leaves the key to the other, as verl reads them
+    given = [(o.partition("=")[0].lstrip("+"), o.partition("=")[2]) for o in overrides if "=" in o]
+    spelled = {alias(key) for key, value in given if value.strip() != "null"}
     for override in overrides:
         key, sep, value = override.partition("=")
         if not sep or key.startswith(("~", "hydra.")):
@@ -166,6 +170,8 @@ def forced(overrides: tuple[str, ...]) -> list[str]:
         if len(key) > MAX_KEY:  # Hydra would look for a config group file of that name: ENAMETOOLONG
             raise ConfigError(f"{printable(key[:60])}...: a key of {len(key)} characters, which no section has")
         target = alias(key)
+        if value.strip() == "null" and target in spelled:
+            continue  # another spelling gives it a value
         if seen.setdefault(target, key) != key:
             raise ConfigError(f"{key}: sets {target}, which {seen[target]} sets too; give it once")
         missing = _missing_section(target)

@@ -60,6 +60,7 @@ UNUSED: dict[str, str] = {
     **dict.fromkeys(
         [
             "*micro_batch_size_per_gpu",
+            "rollout.log_prob_micro_batch_size",  # verl's deprecated spelling of its _per_gpu twin
             "reward_model.use_dynamic_bsz",
             "reward_model.*max_token_len*",
             *(f"*.fsdp_config.{key}" for key in FSDP_TUNING),

@@ -79,6 +79,21 @@ def test_a_key_skip_does_not_implement_is_refused_in_one_line_naming_it(override
         settings(*overrides)
 
 
+@pytest.mark.parametrize("order", [1, -1], ids=["null second", "null first"])
+def test_verls_null_for_one_spelling_leaves_the_key_to_the_other(order):
+    """As verl's scripts write them: ppo_micro_batch_size=null (its default) beside the _per_gpu one."""
+    pair = (
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.actor.ppo_micro_batch_size=null",
+    )
+    assert settings(*pair[::order]).actor.ppo_micro_batch_size == 8
+
+
+def test_verls_deprecated_log_prob_micro_batch_size_is_accepted_and_unused():
+    with pytest.warns(UnusedKeysWarning, match=r"actor_rollout_ref\.rollout\.log_prob_micro_batch_size \(they tune"):
+        settings("actor_rollout_ref.rollout.log_prob_micro_batch_size=null")
+
+
 def test_two_spellings_of_one_key_are_an_error_not_a_race():
     with pytest.raises(ConfigError, match=r"actor_rollout_ref\.rollout\.n: sets rollout\.n, which rollout\.n sets too"):
         compose_config(None, "run", ("rollout.n=3", "actor_rollout_ref.rollout.n=5"))
