@@ -201,7 +201,9 @@ class Backend(ABC, Generic[OptionsT]):
     name: str
     section: str | None
     Options: type[OptionsT]
-    verl_keys: Mapping[str, str] = {}  # verl's ``rollout.<key>`` this engine takes -> its option's name
+    # verl's ``rollout.<key>`` this engine takes, and ``override_config`` (``model.override_config``,
+    # the model's config entries replaced) -> its option's name
+    verl_keys: Mapping[str, str] = {}
     joins_weight_group = False  # its RolloutBackend takes weights over a process group (``receiver``)
 
     def check(self, options: OptionsT) -> None:

@@ -4,6 +4,7 @@ Select it with ``rollout.backend=hf``; settings live under ``rollout.hf`` (see t
 """
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from skip_core import hookimpl
@@ -17,6 +18,7 @@ class HF(Backend[HFOptions]):
     section = "rollout.hf"
     Options = HFOptions
     joins_weight_group = True
+    verl_keys: Mapping[str, str] = {"override_config": "config_overrides"}
 
     # torch and transformers take seconds to import: only when this backend is chosen, not when
     # `skip plugins` lists what is installed.

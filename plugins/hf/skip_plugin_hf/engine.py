@@ -81,7 +81,7 @@ class HFBackend(GuardedBackend):
     def __init__(self, options: Resolved):
         super().__init__()
         self.options = options
-        model = AutoModelForCausalLM.from_pretrained(options.model_dir, dtype=options.dtype)
+        model = AutoModelForCausalLM.from_pretrained(options.model_dir, dtype=options.dtype, **options.config_overrides)
         self.model: PreTrainedModel = model.to(options.device).eval().requires_grad_(False)
         self.stats = EngineStats()
         self._max_positions: int | None = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from skip_core.backend import local_model_dir
@@ -23,6 +25,7 @@ class Resolved:
     dtype: torch.dtype
     max_batch_size: int = 64
     batching: str = "continuous"
+    config_overrides: Mapping[str, Any] = field(default_factory=dict)
 
 
 def resolve(options: HFOptions, model_dir: Path) -> Resolved:
@@ -33,7 +36,9 @@ def resolve(options: HFOptions, model_dir: Path) -> Resolved:
     else:
         device = torch.device(options.device)
     dtype = DTYPES[options.dtype] if options.dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
-    return Resolved(local_model_dir(model_dir), device, dtype, options.max_batch_size, options.batching)
+    return Resolved(
+        local_model_dir(model_dir), device, dtype, options.max_batch_size, options.batching, options.config_overrides
+    )
 
 
 def check_device(name: str) -> None:

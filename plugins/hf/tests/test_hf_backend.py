@@ -232,6 +232,15 @@ def test_a_stop_string_ends_the_completion_at_the_token_completing_it(tiny_hf_mo
     assert out.finish_reason == "stop"
 
 
+def test_config_overrides_change_the_model_the_engine_runs(tiny_hf_model_dir):
+    """verl's model.override_config, as this engine takes it: the config's entries replaced."""
+    plain, eps = make_backend(tiny_hf_model_dir), 0.5
+    overridden = make_backend(tiny_hf_model_dir, config_overrides={"rms_norm_eps": eps})
+    assert overridden.model.config.rms_norm_eps == eps != plain.model.config.rms_norm_eps
+    [a], [b] = (generate(backend, [1, 5, 6, 7], max_new_tokens=1, temperature=1.0) for backend in (plain, overridden))
+    assert a.log_probs != b.log_probs
+
+
 def test_log_probs_match_a_direct_forward_pass_before_filtering(tiny_hf_model_dir):
     backend = make_backend(tiny_hf_model_dir)
     prompt = [1, 11, 12, 13, 14]

@@ -23,6 +23,7 @@ class SGLang(Backend[SGLangOptions]):
     verl_keys: Mapping[str, str] = {
         "tensor_model_parallel_size": "tp_size",
         "gpu_memory_utilization": "mem_fraction_static",
+        "override_config": "json_model_override_args",
     }
 
     def check(self, options: SGLangOptions) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,6 +32,7 @@ class SGLangOptions(BaseModel):
     (torch_memory_saver); off, or on CPU, they do nothing. ``attention_backend`` null is
     SGLang's choice on a GPU and ``torch_native`` on CPU. ``max_total_tokens`` bounds the KV
     cache in tokens; null: sized from ``mem_fraction_static`` on a GPU, ``CPU_KV_TOKENS`` on CPU.
+    ``json_model_override_args``: entries of the model's config replaced (``model.override_config``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -45,11 +47,13 @@ class SGLangOptions(BaseModel):
     enable_memory_saver: bool = True
     disable_cuda_graph: bool = False
     random_seed: int = 0
+    json_model_override_args: dict[str, Any] = {}
 
     def engine_args(self, model_dir: Path, cpu: bool) -> dict[str, Any]:
         """Keyword arguments of ``sglang.Engine`` for the model in ``model_dir``; ``cpu``: whether
         it runs on SGLang's CPU path (``SGLANG_USE_CPU_ENGINE=1``)."""
         args = self.model_dump(exclude_none=True)
+        args["json_model_override_args"] = json.dumps(self.json_model_override_args)  # SGLang takes the JSON text
         if cpu:
             args.update(
                 device="cpu",

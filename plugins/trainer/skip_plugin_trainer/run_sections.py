@@ -90,7 +90,9 @@ class ModelConfig(BaseModel):
     default on) recomputes each decoder layer's activations in the backward pass instead of keeping
     them. ``attn_implementation`` (verl's ``override_config.attn_implementation``): null takes
     ``flash_attention_2`` on a GPU where it is installed, ``sdpa`` otherwise (the FlashAttention
-    kernels need ``trainer.device=cuda``: ``memory_keys``). verl's other ``model``
+    kernels need ``trainer.device=cuda``: ``memory_keys``). ``override_config`` (verl's): entries
+    of the model's Hugging Face config replaced for the policy, its reference, the critic and the
+    rollout engines (each engine's own option: ``Backend.verl_keys``). verl's other ``model``
     keys are GPU tuning or refused (``verl_keys``).
     """
 
@@ -102,6 +104,7 @@ class ModelConfig(BaseModel):
     exclude_modules: str | list[StrictStr] | None = None
     enable_gradient_checkpointing: StrictBool = True
     attn_implementation: Attention | None = None
+    override_config: dict[str, Any] = {}
 
 
 class DataConfig(BaseModel):

@@ -139,7 +139,6 @@ UNIMPLEMENTED: dict[str, tuple[Any, str]] = {
     "model.lora_adapter_path": (None, "skip's LoRA starts from new adapters (model.lora_rank)"),
     "critic.model.lora_rank": (0, "skip's critic trains every weight (model.lora_rank is the actor's)"),
     "model.external_lib": (None, "skip imports no module a config names"),
-    "model.override_config": ({}, "skip loads model.path's config as it is"),
     "model.custom_chat_template": (None, "skip renders prompts with model.path's own chat template"),
     "model.tokenizer_path": (None, "skip loads the tokenizer of model.path"),
     "model.hf_config_path": (None, "skip loads model.path's config as it is"),

@@ -322,6 +322,28 @@ def _engine_keys(resolved: Resolved) -> None:
         target = f"{backend.section}.{option}"  # the verl path wins over skip's default, as an alias's does
         _put(config, target, value)
         resolved.origins[target] = written
+    _override_config(resolved, name, backend)
+
+
+def _override_config(resolved: Resolved, name: str, backend: Any) -> None:
+    """``model.override_config`` stays the trainer's (the policy, its reference, the critic) and
+    is copied to the engine's own option for it (``Backend.verl_keys["override_config"]``: hf's
+    ``config_overrides``, vLLM's ``hf_overrides``, SGLang's ``json_model_override_args``)."""
+    config = resolved.config
+    value = _get(config, "model.override_config")
+    if not value or backend is None:
+        return
+    option = backend.verl_keys.get("override_config")
+    if option is None or backend.section is None:
+        raise ConfigError(
+            f"{resolved.written('model.override_config')}: rollout.backend={name} takes no overrides of the "
+            "model's config; its engine would generate from another model than the one trained"
+        )
+    target = f"{backend.section}.{option}"
+    if _get(config, target):
+        raise ConfigError(f"{target}: set by model.override_config too; give the overrides once, there")
+    _put(config, target, value)
+    resolved.origins[target] = resolved.written("model.override_config")
 
 
 CHECKPOINT_ENGINES = {"naive": "auto", "nccl": "group"}

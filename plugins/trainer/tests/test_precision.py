@@ -21,7 +21,7 @@ from skip_plugin_trainer.train.policy import Policy
 BF16_LOG_PROB_ATOL = 0.1
 
 
-def policy(model_dir, checkpointing=True, dtype=None, rows=3, colocated=False, **settings) -> Policy:
+def policy(model_dir, checkpointing=True, dtype=None, rows=3, colocated=False, overrides=None, **settings) -> Policy:
     """A policy whose mini-batch is ``rows`` samples."""
     settings = {"fsdp_config": FsdpConfig(dtype=dtype), **settings}
     config = ActorConfig(
@@ -33,7 +33,7 @@ def policy(model_dir, checkpointing=True, dtype=None, rows=3, colocated=False, *
         samples_per_prompt=1,
         temperature=0.7,
         use_reference=config.use_kl_loss,
-        model_config=ModelConfig(enable_gradient_checkpointing=checkpointing),
+        model_config=ModelConfig(enable_gradient_checkpointing=checkpointing, override_config=overrides or {}),
         colocated=colocated,
     )
 
@@ -77,6 +77,17 @@ def test_the_sum_of_squared_probabilities_is_the_softmaxs_whole_or_chunked():
         outputs = token_log_probs(logits, labels, temperature=0.7, entropy=False, chunk=chunk, sum_pi_squared=True)
         assert outputs[1] is None
         torch.testing.assert_close(outputs[2], expected)
+
+
+def test_override_config_changes_the_model_the_policy_and_its_reference_train(tiny_model_dir):
+    batch = padded_batch(ROWS)
+    plain = policy(tiny_model_dir, use_kl_loss=True)
+    overridden = policy(tiny_model_dir, use_kl_loss=True, overrides={"rms_norm_eps": 0.5})
+    assert overridden.model.config.rms_norm_eps == 0.5 != plain.model.config.rms_norm_eps
+    assert overridden.reference.config.rms_norm_eps == 0.5
+    assert not torch.equal(
+        overridden.compute_log_prob(batch).batch["old_log_probs"], plain.compute_log_prob(batch).batch["old_log_probs"]
+    )
 
 
 def test_the_old_log_prob_pass_gives_the_squares_when_asked(tiny_model_dir):

@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 from skip_core.cli import cli
 from skip_core.config import ConfigError
+from skip_core.plugins import registry
 from skip_plugin_trainer.commands import compose_config
 from skip_plugin_trainer.settings import RunSettings, UnusedKeysWarning
 
@@ -49,7 +50,6 @@ def test_an_interpolation_of_the_shipped_config_follows_the_verl_path():
     ("overrides", "message"),
     [
         (["+critic.model.lora_rank=8"], r"^critic\.model\.lora_rank: not implemented: skip's critic trains every"),
-        (["+actor_rollout_ref.model.override_config.rope_theta=1"], r"^actor_rollout_ref\.model\.override_config: not"),
         (["+model.foo=1"], r"^model\.foo: unknown key \(allowed: attn_implementation, enable_gradient_checkpointing, "),
         (["+data.foo=1"], r"^data\.foo: unknown key"),
         (
@@ -92,6 +92,21 @@ def test_verls_null_for_one_spelling_leaves_the_key_to_the_other(order):
 def test_verls_deprecated_log_prob_micro_batch_size_is_accepted_and_unused():
     with pytest.warns(UnusedKeysWarning, match=r"actor_rollout_ref\.rollout\.log_prob_micro_batch_size \(they tune"):
         settings("actor_rollout_ref.rollout.log_prob_micro_batch_size=null")
+
+
+@pytest.mark.parametrize(
+    ("backend", "option"),
+    [("hf", "rollout.hf.config_overrides"), ("vllm", "rollout.engine_kwargs.vllm.hf_overrides")],
+)
+def test_verls_override_config_reaches_the_trainer_and_the_engine(backend, option):
+    s = settings(
+        f"rollout.backend={backend}",
+        "+actor_rollout_ref.model.override_config.rms_norm_eps=0.5",
+        "+actor_rollout_ref.model.override_config.attn_implementation=eager",  # skip's own key for it
+    )
+    assert s.model.override_config == {"rms_norm_eps": 0.5} and s.model.attn_implementation == "eager"
+    section, _, key = option.rpartition(".")
+    assert getattr(s.sections[registry().sections[section]], key) == {"rms_norm_eps": 0.5}
 
 
 def test_two_spellings_of_one_key_are_an_error_not_a_race():

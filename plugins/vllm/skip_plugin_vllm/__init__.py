@@ -22,6 +22,7 @@ class VLLM(Backend[VLLMOptions]):
     verl_keys: Mapping[str, str] = {
         "tensor_model_parallel_size": "tensor_parallel_size",
         "gpu_memory_utilization": "gpu_memory_utilization",
+        "override_config": "hf_overrides",
     }
 
     def check(self, options: VLLMOptions) -> None:

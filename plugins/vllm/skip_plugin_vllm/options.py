@@ -18,7 +18,8 @@ class VLLMOptions(BaseModel):
     ``logprobs_mode``: ``processed_logprobs`` gives the log-probs of the distribution sampled
     from (after temperature, and after top-k/top-p when those are on); ``raw_logprobs`` those
     of the model's logits before temperature. ``cpu_kvcache_space_gb`` is
-    ``VLLM_CPU_KVCACHE_SPACE`` (CPU builds only; null: vLLM's default).
+    ``VLLM_CPU_KVCACHE_SPACE`` (CPU builds only; null: vLLM's default). ``hf_overrides``: entries
+    of the model's config replaced (``model.override_config``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -33,6 +34,7 @@ class VLLMOptions(BaseModel):
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
     seed: int = 0
     cpu_kvcache_space_gb: PositiveInt | None = None
+    hf_overrides: dict[str, Any] = {}
 
     def engine_args(self, model_dir: Path, sleep_mode: bool, cpu: bool) -> dict[str, Any]:
         """Keyword arguments of ``AsyncEngineArgs`` for the model in ``model_dir``; ``sleep_mode``:

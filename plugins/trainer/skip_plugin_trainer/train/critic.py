@@ -8,6 +8,7 @@ the policy's, tests drive it in-process.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ class Critic(TrainedModel):
         device: str = "cpu",
         attn_implementation: str | None = None,
         colocated: bool = False,
+        config_overrides: Mapping[str, Any] | None = None,
     ) -> None:
         from transformers import AutoModelForTokenClassification
         from transformers.utils import logging as hf_logging
@@ -60,7 +62,7 @@ class Critic(TrainedModel):
             # no dropout (a value is a function of the tokens alone), checkpointing as configured
             self.model = pretrained(
                 AutoModelForTokenClassification, model_path, self.precision.master, kernel, device,
-                sharding if sharded else None, num_labels=1,
+                sharding if sharded else None, num_labels=1, **(config_overrides or {}),
                 prepare=functools.partial(trainable, checkpointing=config.enable_gradient_checkpointing),
                 fresh=functools.partial(value_head, seed=seed),
             )  # fmt: skip

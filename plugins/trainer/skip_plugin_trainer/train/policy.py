@@ -91,12 +91,15 @@ class Policy(TrainedModel):
         lora = {"fresh": functools.partial(peft_lora.initial_adapters, seed=seed), "stored": peft_lora.base_name}
         self.model = pretrained(
             AutoModelForCausalLM, model_path, precision.master, kernel, device, sharding, prepare=train_mode,
-            **(lora if self.lora else {}),
+            **(lora if self.lora else {}), **model_config.override_config,
         )  # fmt: skip
         reference = None
         if use_reference and not self.lora:  # held in the compute dtype
             if sharded:
-                reference = pretrained(AutoModelForCausalLM, model_path, precision.compute, kernel, device, shard)
+                reference = pretrained(
+                    AutoModelForCausalLM, model_path, precision.compute, kernel, device, shard,
+                    **model_config.override_config,
+                )  # fmt: skip
             else:
                 reference = copy.deepcopy(self.model).to(precision.compute)
             reference = reference.requires_grad_(False).eval()

@@ -103,6 +103,7 @@ class Cluster:
         if settings.use_critic:
             path, critic = str(settings.model_path()), settings.critic
             common["attn_implementation"] = settings.model.attn_implementation
+            common["config_overrides"] = settings.model.override_config
             workers = actor.spawn(Critic, path, critic, each=actor.ranks(), **ranks, **common)
             self.critic = ModelGroup(workers, critic.ppo_mini_batch_size * settings.rollout.n)
         # Both pools load their models side by side; the first step's timing is then the step's.
