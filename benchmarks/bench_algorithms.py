@@ -12,7 +12,7 @@ the mean step time:
 - `remax`: ReMax's advantages, each prompt's greedy response as its baseline.
 
     python benchmarks/bench_algorithms.py                      # all four, 20 steps each
-    python benchmarks/bench_algorithms.py --only gspo --steps 10
+    python benchmarks/bench_algorithms.py --only gspo --steps 10 --task-dir ./runs/embedded
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=sorted(ALGORITHMS), action="append", help="run these alone")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--task-dir", type=Path, help="the embedded task's directory, built there once (default: new)")
     args = parser.parse_args()
     console = Console()
     with tempfile.TemporaryDirectory(prefix="skip-bench-algorithms-") as tmp:
@@ -78,7 +79,7 @@ def main() -> None:
             table.add_column(column, justify="left" if column == "algorithm" else "right")
         for name in args.only or ALGORITHMS:
             console.print(f"{name} ...")
-            result = run(name, ALGORITHMS[name], directory / "task", directory, args.steps)
+            result = run(name, ALGORITHMS[name], args.task_dir or directory / "task", directory, args.steps)
             table.add_row(
                 name, f"{result['before']:.4f}", f"{result['last']:.4f}", f"{result['best']:.4f}",
                 f"{result['step_s']:.2f}", f"{result['wall_s']:.0f}",
