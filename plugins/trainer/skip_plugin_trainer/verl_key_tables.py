@@ -19,6 +19,7 @@ ALIASES: dict[str, str] = {
     "rollout.multi_turn.max_assistant_turns": "rollout.multi_turn.max_turns",
     "reward_model.overlong_buffer": "reward.overlong_buffer",  # verl 0.9's DAPO recipe
     "reward.reward_kwargs.overlong_buffer_cfg": "reward.overlong_buffer",  # verl 0.10's
+    "reward_model.reward_kwargs": "reward.reward_kwargs",  # the path verl migrates to the one above
     "custom_reward_function": "reward.custom_reward_function",  # verl 0.9's place; 0.10's is skip's
     "algorithm.kl_ctrl.kl_coef": "algorithm.kl_coef",
     "actor.optim.clip_grad": "actor.grad_clip",

@@ -50,10 +50,15 @@ class Resolved:
         return "verl keys that change nothing here, accepted and unused: " + "; ".join(parts)
 
     def written(self, key: str) -> str:
-        """``key`` as the user wrote it: its verl path, when it was one."""
+        """``key`` as the user wrote it: its verl path, when it was one (or, for a section an
+        error names, the verl path of the keys written under it)."""
         for prefix in sorted(self.origins, key=len, reverse=True):
             if key == prefix or key.startswith(f"{prefix}."):
                 return self.origins[prefix] + key[len(prefix) :]
+        for path, origin in self.origins.items():
+            tail = path[len(key) :]
+            if path.startswith(f"{key}.") and origin.endswith(tail):
+                return origin[: len(origin) - len(tail)]
         return key
 
 

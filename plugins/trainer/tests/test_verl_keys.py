@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from skip_core.cli import cli
 from skip_core.config import ConfigError
 from skip_core.plugins import registry
+from skip_plugin_trainer.algorithm_settings import RewardConfig
 from skip_plugin_trainer.commands import compose_config
 from skip_plugin_trainer.settings import RunSettings, UnusedKeysWarning
 
@@ -52,6 +53,10 @@ def test_an_interpolation_of_the_shipped_config_follows_the_verl_path():
         (["+critic.model.lora_rank=8"], r"^critic\.model\.lora_rank: not implemented: skip's critic trains every"),
         (["+model.foo=1"], r"^model\.foo: unknown key \(allowed: attn_implementation, enable_gradient_checkpointing, "),
         (["+data.foo=1"], r"^data\.foo: unknown key"),
+        (
+            ["+actor_rollout_ref.model.lora.merge=True"],
+            r"^actor_rollout_ref\.model\.lora \(skip's model\.lora\): unknown",
+        ),
         (
             ["++actor_rollout_ref.rollout.nn=3"],
             r"^actor_rollout_ref\.rollout\.nn \(skip's rollout\.nn\): unknown key.*",
@@ -107,6 +112,14 @@ def test_verls_override_config_reaches_the_trainer_and_the_engine(backend, optio
     assert s.model.override_config == {"rms_norm_eps": 0.5} and s.model.attn_implementation == "eager"
     section, _, key = option.rpartition(".")
     assert getattr(s.sections[registry().sections[section]], key) == {"rms_norm_eps": 0.5}
+
+
+def test_the_overlong_buffer_under_the_path_verl_migrates_from():
+    s = settings(
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.len=8",
+    )
+    assert s.sections[RewardConfig].overlong_buffer.enable and s.sections[RewardConfig].overlong_buffer.len == 8
 
 
 def test_two_spellings_of_one_key_are_an_error_not_a_race():
@@ -331,11 +344,11 @@ def test_check_prints_the_resolved_settings_and_starts_nothing(tmp_path):
 
 
 def test_check_stops_in_the_one_line_a_run_would():
-    result = CliRunner().invoke(cli, ["run", "--check", "+actor_rollout_ref.model.override_config.rope_theta=1"])
+    result = CliRunner().invoke(cli, ["run", "--check", "algorithm.kl_ctrl.type=adaptive"])
     assert result.exit_code == 1
     assert result.output.strip().splitlines() == [
-        "Error: actor_rollout_ref.model.override_config: not implemented: skip loads model.path's config as it is "
-        "(verl's default is {})"
+        "Error: algorithm.kl_ctrl.type: not implemented: skip's in-reward KL coefficient is fixed (algorithm.kl_coef) "
+        "(verl's default is 'fixed')"
     ]
 
 
