@@ -81,12 +81,14 @@ class Setup:
         values["rollout.backend"] = backend
         values["rollout.dtype"] = rollout.get("dtype") or (engine.get("dtype") if isinstance(engine, dict) else None)
         values["rollout.multi_turn.max_turns"] = turns.get("max_turns") or turns.get("max_assistant_turns")
+        values["rollout.multi_turn.max_user_turns"] = turns.get("max_user_turns")
         tools = turns.get("tools_config") or turns.get("tool_config_path")  # skip's key, verl's key
         values["rollout.multi_turn.tools_config"] = _file_digest(tools)
         # Named by the keys that choose them, valued by what they hold: a copy elsewhere is no change.
         path = self._model.get("path")
         values["model.path"] = model_digest(path) if path else None
         values["model.chat_template"] = chat_template_digest(path, self._model.get("custom_chat_template"))
+        values["model.override_config"] = self._model.get("override_config") or None  # the engine's model too
         return json.loads(json.dumps(values, default=str))  # as meta.json will hold it
 
 

@@ -147,9 +147,12 @@ class Sampling(_Section):
 
 class MultiTurn(_Section):
     """``tools_config``: the tools YAML, a path (relative to the working directory) or
-    ``pkg://<package>/<path>`` for one shipped inside an installed package."""
+    ``pkg://<package>/<path>`` for one shipped inside an installed package. ``max_turns``: the
+    assistant's turns (verl's ``max_assistant_turns``); ``max_user_turns`` (verl's): rounds of tool
+    responses, after which a request ends (null: no limit), as verl's tool agent loop ends it."""
 
     max_turns: PositiveInt = 4
+    max_user_turns: PositiveInt | None = None
     tools_config: str | None = None
     format: str = "hermes"
     tool_timeout_s: PositiveFloat = 30.0

@@ -137,6 +137,17 @@ def test_max_turns_stops_a_model_that_keeps_calling(tokenizer):
     assert out.non_tensor_batch["finish_reason"].tolist() == ["max_turns"]
 
 
+def test_max_user_turns_ends_a_request_after_that_many_rounds_of_tool_responses(tokenizer):
+    """verl's max_user_turns: the request ends with the tool responses of the last round allowed."""
+    backend = ScriptedBackend(tokenizer, lambda q, turn: call(f"{turn} + 1"))
+    loop = make_loop(tokenizer, backend, multi_turn={"max_turns": 4, "max_user_turns": 1})
+    out = loop.generate_sequences(prompts(tokenizer, ["loop forever"]))
+    loop.shutdown()
+    assert out.non_tensor_batch["num_turns"].tolist() == [1] and out.non_tensor_batch["tool_calls"].tolist() == [1]
+    assert out.non_tensor_batch["finish_reason"].tolist() == ["max_turns"]
+    assert out.non_tensor_batch["messages"][0][-1]["role"] == "tool"
+
+
 def test_response_length_limits_each_engine_call_and_truncates(tokenizer):
     backend = ScriptedBackend(tokenizer, lambda q, turn: call("2 ** 10") if turn == 0 else "Answer: " + "9" * 300)
     loop = make_loop(tokenizer, backend, response_length=160)

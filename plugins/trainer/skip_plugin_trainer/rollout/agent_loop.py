@@ -295,10 +295,14 @@ class AgentLoop:
         calls = request.messages[-1]["tool_calls"]
         responses = await asyncio.gather(*(self._execute(request, call) for call in calls))
         request.tool_calls += len(calls)
+        request.user_turns += 1
         request.messages.extend({"role": "tool", "content": response.text} for response in responses)
         request.extend(self.chat.tool_response_ids(request.messages[-len(calls) :]), None)
         if request.length >= self.config.model_len or len(request.response_ids) >= self.config.response_length:
             return self._complete(request, "length")
+        limit = self.config.multi_turn.max_user_turns
+        if limit is not None and request.user_turns >= limit:  # verl's tool agent loop ends here
+            return self._complete(request, "max_turns")
         request.state = State.RUNNING
 
     async def _execute(self, request: Request, call: Mapping) -> ToolResponse:

@@ -36,6 +36,7 @@ class Request:
     response_mask: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     turns: int = 0
+    user_turns: int = 0  # rounds of tool responses
     tool_calls: int = 0
     # The weight version of every engine call, and how often a pause cut one short.
     weight_versions: list[int] = field(default_factory=list)
