@@ -88,9 +88,12 @@ def test_core_is_small():
     # sleeps and wakes in verl's colocated order (weights discarded, then back before a sync, the
     # KV cache after it: issue 52), 4710 since weights travel over a process group whose protocol
     # every engine and the trainer share (``weight_group``, and a backend's ``receiver``,
-    # ``join_weight_group`` and ``receive_weights``: issue 52); a bound still, so that growth is a decision.
+    # ``join_weight_group`` and ``receive_weights``: issue 52), since engines take their own
+    # arguments beyond skip's, checked by name (``engine_arguments``), greedy baselines pass
+    # the roles by as validation does (``GREEDY``) and a registry kind is named in the singular
+    # (issue 53): 4745; a bound still, so that growth is a decision.
     lines = sum(len(path.read_text().splitlines()) for path in modules("core").values())
-    assert lines <= 4710, f"skip-core has {lines} lines"
+    assert lines <= 4745, f"skip-core has {lines} lines"
 
 
 def test_core_imports_no_plugin_even_by_name():

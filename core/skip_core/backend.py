@@ -14,6 +14,9 @@ cannot says so when they are called.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import importlib.util
 import itertools
 import logging
 from abc import ABC, abstractmethod
@@ -241,6 +244,24 @@ def create_backend(name: str, sections: Any, model_dir: Path) -> RolloutBackend:
     ``sections`` (the run's validated ``skip_core.sections.Sections``)."""
     backend = find_backend(name)
     return backend.build(sections[backend.Options], model_dir)
+
+
+def engine_arguments(values: Any, fields: Mapping[str, Any], package: str, module: str, name: str) -> Any:
+    """An engine's options section as given, with the keys that are none of its fields but are
+    arguments of the engine's own dataclass (``module.name`` of ``package``) moved under
+    ``engine_arguments``: they go to the engine as given, and the rest is refused as unknown keys.
+    The engine is imported only when such keys are given (seconds), and not where it is missing."""
+    if not isinstance(values, Mapping) or importlib.util.find_spec(package) is None:
+        return values
+    others = [key for key in values if key not in fields]
+    if not others:
+        return values
+    kind = getattr(importlib.import_module(module), name)
+    # a dataclass (vLLM's) or a msgspec struct (SGLang's)
+    known = set(getattr(kind, "__struct_fields__", None) or (field.name for field in dataclasses.fields(kind)))
+    moved = {key: values[key] for key in others if key in known}
+    kept = {key: value for key, value in values.items() if key not in moved}
+    return {**kept, "engine_arguments": {**(values.get("engine_arguments") or {}), **moved}} if moved else values
 
 
 def local_model_dir(path: Any) -> Path:

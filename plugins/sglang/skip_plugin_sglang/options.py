@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from skip_core.backend import engine_arguments
 from skip_core.config import ConfigError
 
 CPU_KERNELS = (
@@ -33,6 +34,8 @@ class SGLangOptions(BaseModel):
     SGLang's choice on a GPU and ``torch_native`` on CPU. ``max_total_tokens`` bounds the KV
     cache in tokens; null: sized from ``mem_fraction_static`` on a GPU, ``CPU_KV_TOKENS`` on CPU.
     ``json_model_override_args``: entries of the model's config replaced (``model.override_config``).
+    Any other of SGLang's server arguments goes to the engine as given (``engine_arguments``): its
+    name is checked against SGLang's ``ServerArgs``, its value by SGLang.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -48,11 +51,17 @@ class SGLangOptions(BaseModel):
     disable_cuda_graph: bool = False
     random_seed: int = 0
     json_model_override_args: dict[str, Any] = {}
+    engine_arguments: dict[str, Any] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _server_arguments(cls, values: Any) -> Any:
+        return engine_arguments(values, cls.model_fields, "sglang", "sglang.srt.server_args", "ServerArgs")
 
     def engine_args(self, model_dir: Path, cpu: bool) -> dict[str, Any]:
         """Keyword arguments of ``sglang.Engine`` for the model in ``model_dir``; ``cpu``: whether
         it runs on SGLang's CPU path (``SGLANG_USE_CPU_ENGINE=1``)."""
-        args = self.model_dump(exclude_none=True)
+        args = {**self.engine_arguments, **self.model_dump(exclude_none=True, exclude={"engine_arguments"})}
         args["json_model_override_args"] = json.dumps(self.json_model_override_args)  # SGLang takes the JSON text
         if cpu:
             args.update(

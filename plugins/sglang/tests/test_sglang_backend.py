@@ -34,6 +34,13 @@ def test_a_bad_engine_option_is_named_with_the_closest_key():
         sections(mem_fraction=0.4)
 
 
+def test_sglangs_other_server_arguments_go_to_the_engine_as_given():
+    pytest.importorskip("sglang", reason="SGLang is not installed")
+    options = SGLangOptions(chunked_prefill_size=1024)
+    assert options.engine_arguments == {"chunked_prefill_size": 1024}
+    assert options.engine_args(Path("/m"), cpu=True)["chunked_prefill_size"] == 1024
+
+
 def test_on_cpu_the_engine_takes_sglangs_cpu_path_with_a_bounded_kv_cache():
     cpu = SGLangOptions().engine_args(Path("/m"), cpu=True)
     assert cpu["device"] == "cpu" and cpu["attention_backend"] == "torch_native"

@@ -123,6 +123,7 @@ UNUSED: dict[str, str] = {
         _LOGS,
     ),
     "trainer.balance_batch": "skip's actor is one data-parallel rank: there is nothing to balance",
+    "trainer.use_legacy_worker_impl": "it picks between verl's own worker implementations; skip's are its own",
     "rollout.val_kwargs.do_sample": "verl's agent loop validates with val_kwargs.temperature, as skip does",
     "rollout.over_sample_rate": "verl 0.9 reads it nowhere",
     "*.optim.total_training_steps": "verl fills it with the run's length, as skip does",

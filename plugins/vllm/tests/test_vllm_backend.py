@@ -26,6 +26,13 @@ def test_bad_engine_options_fail_at_start_naming_the_key(engine, message):
         parse_sections(config, {"rollout.engine_kwargs.vllm": registry().sections["rollout.engine_kwargs.vllm"]})
 
 
+def test_vllms_other_engine_arguments_go_to_the_engine_as_given(tmp_path):
+    options = VLLMOptions(compilation_config={"level": 0}, max_num_batched_tokens=4096)
+    assert options.engine_arguments == {"compilation_config": {"level": 0}, "max_num_batched_tokens": 4096}
+    args = options.engine_args(tmp_path, sleep_mode=False, cpu=True)
+    assert args["compilation_config"] == {"level": 0} and args["max_num_batched_tokens"] == 4096
+
+
 def test_the_driver_refuses_the_backend_where_vllm_is_not_installed(monkeypatch):
     import importlib.util
 

@@ -10,17 +10,13 @@ a response (a tool's output) is not a step of the policy: the running estimates 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
 from skip_plugin_trainer.algorithm_settings import AlgorithmConfig
 from skip_plugin_trainer.algorithms.aggregation import masked_whiten
 from skip_plugin_trainer.algorithms.contract import AdvantageInputs
-
-if TYPE_CHECKING:
-    from skip_plugin_trainer.algorithms.advantages import Groups
+from skip_plugin_trainer.algorithms.groups import Groups
 
 OTB_EPSILON = 1e-8  # verl's, for a time step no response of the group reaches
 
@@ -104,8 +100,6 @@ def optimal_token_baseline(inputs: AdvantageInputs, config: AlgorithmConfig) -> 
     its group, weighted by path variance (``_path_variance``), a lower-variance baseline than a
     group mean. Needs ``old_log_probs`` and ``sum_pi_squared`` (the actor's sum over the
     vocabulary of pi^2 per token); uses ``rollout_is_weights`` if the trainer computed them."""
-    from skip_plugin_trainer.algorithms.advantages import Groups  # which imports this module
-
     rewards = inputs.token_level_rewards
     mask = inputs.response_mask.to(rewards.dtype)
     returns = _reward_to_go(rewards, mask)
@@ -119,8 +113,6 @@ def tir_optimal_token_baseline(inputs: AdvantageInputs, config: AlgorithmConfig)
     """The optimal token baseline for tool-integrated responses: step t is a response's t-th
     loss token, not its t-th position, so responses whose tool outputs differ in length still
     line up. A response without loss tokens has advantage 0 and is no peer of the others."""
-    from skip_plugin_trainer.algorithms.advantages import Groups  # which imports this module
-
     rewards = inputs.token_level_rewards
     mask = inputs.response_mask.to(rewards.dtype)
     returns = _reward_to_go(rewards, mask)
