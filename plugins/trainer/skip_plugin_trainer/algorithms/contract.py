@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 from torch import Tensor
@@ -63,8 +62,10 @@ class LossContext:
 
 @dataclass(frozen=True)
 class PolicyLoss:
-    """The loss to backpropagate and its metrics by verl's names (``actor/pg_clipfrac``,
-    ``actor/ppo_kl`` ...), each a part as ``LossContext.mean`` gives it."""
+    """The loss to backpropagate and its metrics by verl's names. Those under ``actor/``
+    (``actor/pg_clipfrac``, ``actor/ppo_kl`` ...) are parts as ``LossContext.mean`` gives them,
+    summed over micro-batches and ranks; any other (bypass mode's ``rollout_corr/*``) is one
+    value per micro-batch, averaged."""
 
     loss: Tensor
     metrics: dict[str, float] = field(default_factory=dict)
@@ -104,20 +105,12 @@ class Estimator:
     needs: frozenset[str] = frozenset()
 
 
-def policy_losses() -> dict[str, LossFunction]:
+def policy_loss(name: str) -> LossFunction:
+    """The registered loss ``name`` (``actor.policy_loss.loss_mode``, which the run's settings
+    check first), or a one-line error naming what is registered."""
     from skip_core.plugins import registry
 
-    return registry().policy_losses
-
-
-def estimators() -> dict[str, Estimator]:
-    from skip_core.plugins import registry
-
-    return registry().advantage_estimators
-
-
-def named(table: dict[str, Any], name: str, key: str) -> Any:
-    """``table[name]``, or a one-line error naming ``key`` and what is registered."""
-    if name not in table:
-        raise ValueError(f"{key}: unknown {name!r}; registered: {', '.join(sorted(table))}")
-    return table[name]
+    losses = registry().policy_losses
+    if name not in losses:
+        raise ValueError(f"actor.policy_loss.loss_mode: unknown {name!r}; registered: {', '.join(sorted(losses))}")
+    return losses[name]

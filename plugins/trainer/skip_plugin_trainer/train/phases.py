@@ -17,7 +17,7 @@ from skip_core.manager import SkipManager
 from skip_core.schedule import StepRecord
 
 from skip_plugin_trainer.algorithms.aggregation import agg_loss
-from skip_plugin_trainer.algorithms.contract import AdvantageInputs, estimators, named
+from skip_plugin_trainer.algorithms.contract import AdvantageInputs, Estimator
 from skip_plugin_trainer.algorithms.kl import apply_kl_penalty
 from skip_plugin_trainer.reward import Rewarder
 from skip_plugin_trainer.settings import RunSettings
@@ -168,7 +168,7 @@ class Phases:
             metrics |= self.rollout_correction(batch)
             mask = batch.batch["response_mask"]
         rewards, given = batch.batch["token_level_rewards"], batch.batch
-        estimator = named(estimators(), algo.adv_estimator, "algorithm.adv_estimator")
+        estimator = self.settings.estimator()
         inputs = AdvantageInputs(
             rewards, mask, batch.non_tensor_batch["uid"],
             values=given.get("values"), reward_baselines=given.get("reward_baselines"),
@@ -181,9 +181,9 @@ class Phases:
         batch.batch["advantages"], batch.batch["returns"] = advantages, returns
         return metrics
 
-    def _named_scores(self, batch: Batch, estimator) -> dict[str, torch.Tensor]:
+    def _named_scores(self, batch: Batch, estimator: Estimator) -> dict[str, torch.Tensor]:
         """The reward function's named numbers GDPO normalises (``algorithm.gdpo_reward_keys``),
-        one float per row; a key no sample of the batch returned is refused naming what did."""
+        one float per row; a key no sample of the batch returned is refused naming it."""
         if "scores" not in estimator.needs:
             return {}
         keys, extras = self.settings.algorithm.gdpo_reward_keys or (), batch.non_tensor_batch

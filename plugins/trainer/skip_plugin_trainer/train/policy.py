@@ -18,7 +18,7 @@ from skip_core.weight_group import Layout, WeightGroup
 
 from skip_plugin_trainer.algorithm_settings import ActorConfig, RolloutCorrection
 from skip_plugin_trainer.algorithms.aggregation import Totals, agg_loss
-from skip_plugin_trainer.algorithms.contract import LossContext, LossInputs, named, policy_losses
+from skip_plugin_trainer.algorithms.contract import LossContext, LossInputs, policy_loss
 from skip_plugin_trainer.algorithms.kl import kl_penalty
 from skip_plugin_trainer.rollout.weights import Bucket
 from skip_plugin_trainer.run_sections import ModelConfig
@@ -71,7 +71,7 @@ class Policy(TrainedModel):
         torch.manual_seed(seed)
         # Rollout log-probs are taken at the sampling temperature; greedy rollouts sample at 1.
         self.temperature = temperature or 1.0
-        self._policy_loss = named(policy_losses(), config.policy_loss.loss_mode, "actor.policy_loss.loss_mode")
+        self._policy_loss = policy_loss(config.policy_loss.loss_mode)
         model_config = model_config or ModelConfig()
         self.precision = precision = Precision.of(config.fsdp_config, device)
         kernel = attention(model_config.attn_implementation, device, precision.compute)
@@ -210,7 +210,7 @@ class Policy(TrainedModel):
         # weighs and rejects tokens by how far the policy now is from them (verl's bypass loss,
         # which replaces actor.policy_loss.loss_mode as verl's trainer does).
         correction: RolloutCorrection | None = mini.meta_info.get("rollout_correction")
-        policy_loss = bypass_mode if correction is not None else self._policy_loss
+        loss_of = bypass_mode if correction is not None else self._policy_loss
         parts = metrics.parts[-1]
 
         def loss(micro: Batch) -> torch.Tensor:
@@ -220,7 +220,7 @@ class Policy(TrainedModel):
                 micro.batch["old_log_probs"], log_prob, micro.batch["advantages"], mask,
                 weights=micro.batch.get("rollout_is_weights"),  # decoupled mode's, when rollout_is is set
             )  # fmt: skip
-            result = policy_loss(inputs, LossContext(cfg, totals, mask, correction))
+            result = loss_of(inputs, LossContext(cfg, totals, mask, correction))
             total = result.loss
             if cfg.entropy_coeff:
                 total = total - cfg.entropy_coeff * agg_loss(entropy, mask, cfg.loss_agg_mode, totals)
