@@ -703,7 +703,7 @@ def test_the_section_arrives_validated_from_the_run_config(tiny_hf_model_dir):
         ({"max_batch_size": 0}, "rollout.hf.max_batch_size: expected an integer > 0, got 0"),
         (
             {"max_batch": 8},
-            "rollout.hf.max_batch: unknown key (allowed: batching, device, dtype, max_batch_size); "
+            "rollout.hf.max_batch: unknown key (allowed: batching, config_overrides, device, dtype, max_batch_size); "
             "did you mean rollout.hf.max_batch_size?",
         ),
     ],
