@@ -208,6 +208,9 @@ class RunSettings(RolloutSettings):
                 f"algorithm.gdpo_reward_keys: {self.algorithm.adv_estimator} normalises the reward's parts named "
                 "here (numbers of the dict the reward function returns); none given"
             )
+        weights, keys = self.algorithm.gdpo_reward_weights, self.algorithm.gdpo_reward_keys or ()
+        if "scores" in self.estimator().needs and weights is not None and len(weights) != len(keys):
+            raise ConfigError(f"algorithm.gdpo_reward_weights: {len(weights)} weights for {len(keys)} gdpo_reward_keys")
         if "sum_pi_squared" in self.estimator().needs and not self.actor.calculate_sum_pi_squared:
             raise ConfigError(
                 f"actor.calculate_sum_pi_squared: {self.algorithm.adv_estimator} needs each token's sum of squared "

@@ -259,6 +259,18 @@ def test_decoupled_correction_rejects_before_the_advantages():
     assert metric(metrics, "rollout_rs_seq_masked_fraction") == pytest.approx(0.5)
 
 
+def test_an_optimal_token_baseline_under_bypass_mode_is_refused_before_the_first_step():
+    settings = RunSettings.from_config(
+        {
+            "task": {"name": None},
+            "actor": {"calculate_sum_pi_squared": True},
+            "algorithm": {"adv_estimator": "optimal_token_baseline", "rollout_correction": {"bypass_mode": True}},
+        }
+    )
+    with pytest.raises(ConfigError, match=r"^algorithm\.adv_estimator: optimal_token_baseline needs the old log-prob"):
+        Phases(settings, actor=None, rewarder=None, overlapped=False)
+
+
 def test_gdpo_gets_the_reward_functions_named_parts_from_the_batch():
     settings = RunSettings.from_config(
         {"task": {"name": None}, "algorithm": {"adv_estimator": "gdpo", "gdpo_reward_keys": ["acc", "format"]}}

@@ -75,6 +75,14 @@ def test_an_interpolation_of_the_shipped_config_follows_the_verl_path():
             r"^actor\.calculate_sum_pi_squared: optimal_token_baseline needs each token.s sum of squared probabilities",
         ),
         (["algorithm.adv_estimator=gdpo"], r"^algorithm\.gdpo_reward_keys: gdpo normalises the reward's parts"),
+        (
+            [
+                "algorithm.adv_estimator=gdpo",
+                "+algorithm.gdpo_reward_keys=[acc,format]",
+                "+algorithm.gdpo_reward_weights=[1.0]",
+            ],
+            r"^algorithm\.gdpo_reward_weights: 1 weights for 2 gdpo_reward_keys$",
+        ),
         (["+critic.model.path=/elsewhere"], r"^critic\.model\.path: '/elsewhere' is not implemented"),
         (["+foo.bar=1"], r"^foo: unknown key \(allowed: actor, .*\)"),
     ],

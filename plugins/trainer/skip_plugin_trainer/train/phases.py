@@ -12,6 +12,7 @@ import warnings
 import numpy as np
 import torch
 from skip_core.batch import Batch
+from skip_core.config import ConfigError
 from skip_core.layout import Column, Layout
 from skip_core.manager import SkipManager
 from skip_core.schedule import StepRecord
@@ -58,6 +59,11 @@ class Phases:
         self.settings, self.actor, self.rewarder, self.critic = settings, actor, rewarder, critic
         self.correction = settings.algorithm.rollout_correction
         self.bypass = settings.bypass_mode(overlapped)
+        if self.bypass and "sum_pi_squared" in settings.estimator().needs:  # bypass skips the pass that gives it
+            raise ConfigError(
+                f"algorithm.adv_estimator: {settings.algorithm.adv_estimator} needs the old log-prob pass, which "
+                "bypass mode skips; set algorithm.rollout_correction.bypass_mode=false"
+            )
         loss_mode = settings.actor.policy_loss.loss_mode
         if self.bypass and loss_mode not in ("vanilla", "bypass_mode"):
             warnings.warn(
