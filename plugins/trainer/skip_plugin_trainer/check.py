@@ -36,6 +36,7 @@ def check(config: Any, console: Console, command: str) -> RolloutSettings:
     missing = _to_build(settings)
     if missing:
         console.print(f"# task {settings.task.name} builds {', '.join(missing)} on the first run: not checked")
+        _load_user_code(settings)
     elif isinstance(settings, RunSettings):
         load_data(settings, parts)
     else:
@@ -80,6 +81,17 @@ def _print_memory(settings: RunSettings, console: Console) -> None:
             "memory and the GPU is the engine's (its gpu_memory_utilization)"
         )
     console.print("\n".join(lines), soft_wrap=True, markup=False)
+
+
+def _load_user_code(settings: RolloutSettings) -> None:
+    """The user's files that config keys name, imported: they need no task built."""
+    from skip_plugin_trainer.data.custom import dataset_class
+    from skip_plugin_trainer.reward import load_reward_function
+
+    if settings.reward.custom_reward_function.path is not None:
+        load_reward_function(settings.reward.custom_reward_function)
+    if settings.data.custom_cls.path is not None:
+        dataset_class(settings.data.custom_cls)
 
 
 def _to_build(settings: RolloutSettings) -> list[str]:

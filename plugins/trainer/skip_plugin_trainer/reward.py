@@ -18,16 +18,12 @@ the sample and what it raised or returned.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import numbers
 import reprlib
-import sys
-import traceback
 import warnings
 from collections.abc import Callable, Mapping
 from functools import cache
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -35,6 +31,7 @@ from skip_core.config import ConfigError, lookup
 from skip_core.errors import SkipError
 from skip_core.escaping import printable
 
+from skip_plugin_trainer import user_code
 from skip_plugin_trainer.algorithm_settings import CustomRewardFunction, OverlongBuffer, RewardConfig
 from skip_plugin_trainer.timed_calls import TimedCalls, TooManyHung
 
@@ -55,8 +52,6 @@ EXPECTED = "expected a number (a bool counts as 0 or 1) or a dict holding one un
 #: How a message shows what a function returned: a list's first elements, a string's start.
 _SHORT = reprlib.Repr()
 _SHORT.maxstring = _SHORT.maxother = 80
-#: The longest exception (type and message) a message quotes.
-_LONGEST_EXCEPTION = 300
 
 
 class RewardFunctionError(SkipError, ValueError):
@@ -93,7 +88,7 @@ class Rewarder:
         custom = config.custom_reward_function
         if custom.path is not None:
             self.fn: RewardFn = load_reward_function(custom)
-            self.label = f"{custom.name} in {_source(custom)} (reward.custom_reward_function)"
+            self.label = f"{custom.name} in {user_code.source(custom.path)} (reward.custom_reward_function)"
         else:
             self.fn = lookup("reward.function", "reward function", config.function, registry().rewards)
             self.label = f"{config.function} (reward.function)"
@@ -206,7 +201,7 @@ class Rewarder:
             return None
         if outcome.error is not None:
             raise RewardFunctionError(
-                f"reward function {self.label} raised {_exception(outcome.error)} on {_sample(i, extras)}"
+                f"reward function {self.label} raised {user_code.described(outcome.error)} on {_sample(i, extras)}"
             ) from outcome.error
         score = _score(outcome.value)
         if score is None:
@@ -254,37 +249,11 @@ def _shown(value: Any) -> str:
     return "None" if value is None else f"{type(value).__name__} {printable(_SHORT.repr(value))}"
 
 
-def _exception(error: BaseException) -> str:
-    """``TypeName: message`` on one line, clipped, control characters escaped."""
-    text = " ".join("".join(traceback.format_exception_only(type(error), error)).split())
-    if len(text) > _LONGEST_EXCEPTION:
-        text = text[: _LONGEST_EXCEPTION - 3] + "..."
-    return printable(text)
-
-
-def _source(custom: CustomRewardFunction) -> Path:
-    return Path(custom.path).expanduser().absolute()
-
-
 def load_reward_function(custom: CustomRewardFunction) -> RewardFn:
-    """``custom.name`` from the Python file ``custom.path``: a module of its own, imported once."""
-    path = _source(custom)
-    key = "reward.custom_reward_function"
-    if path.suffix != ".py" or not path.is_file():
-        raise ConfigError(f"{key}.path: expected a Python file (.py), got {custom.path!r}")
-    module_name = f"skip_custom_reward_{abs(hash(str(path)))}"
-    module = sys.modules.get(module_name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(spec)
-        try:
-            spec.loader.exec_module(module)
-        except Exception as exc:  # the user's code: its failure named in one line
-            raise ConfigError(f"{key}.path: importing {path} failed: {exc!r}") from None
-        sys.modules[module_name] = module
-    fn = getattr(module, custom.name, None)
+    """``custom.name`` from the Python file ``custom.path``."""
+    fn = user_code.load_object(custom.path, custom.name, "reward.custom_reward_function")
     if not callable(fn):
-        raise ConfigError(f"{key}.name: {path} has no function {custom.name!r}")
+        raise ConfigError(f"reward.custom_reward_function.name: {custom.name!r} in {custom.path} is not a function")
     return fn
 
 

@@ -22,6 +22,7 @@ from pydantic import (
     StrictBool,
     StrictInt,
     StrictStr,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -107,6 +108,22 @@ class ModelConfig(BaseModel):
     override_config: dict[str, Any] = {}
 
 
+class CustomDataset(BaseModel):
+    """``data.custom_cls``, verl's: the dataset class ``name`` of the Python file ``path``, built
+    as verl builds it (``data/custom.py``). It is the user's own code, run because they named it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    path: StrictStr | None = None
+    name: StrictStr | None = Field(None, validate_default=True)
+
+    @field_validator("name")
+    @classmethod
+    def _named(cls, name: str | None, info: ValidationInfo) -> str | None:
+        if info.data.get("path") is not None and not name:
+            raise ValueError("give the name of the dataset class in the file data.custom_cls.path names")
+        return name
+
+
 class DataConfig(BaseModel):
     """``data``: the keys of verl's ``data`` section that shape prompts (its others: ``verl_keys``)."""
 
@@ -125,6 +142,7 @@ class DataConfig(BaseModel):
     apply_chat_template_kwargs: dict[StrictStr, Any] = {}
     shuffle: StrictBool = True
     seed: Annotated[StrictInt, Field(ge=0, le=MAX_SEED)] = 0
+    custom_cls: CustomDataset = CustomDataset()
 
     @model_validator(mode="before")
     @classmethod

@@ -28,7 +28,7 @@ from typing import Any
 
 from skip_core.config import ConfigError
 
-from skip_plugin_trainer.verl_key_tables import ALIASES, UNIMPLEMENTED, UNUSED
+from skip_plugin_trainer.verl_key_tables import ALIASES, NOT_VERLS, UNIMPLEMENTED, UNUSED
 
 
 @dataclass
@@ -108,6 +108,8 @@ def _sorted(resolved: Resolved, config: Mapping[str, Any]) -> dict[str, Any]:
     for path, value in _leaves(config):
         written = resolved.written(path)
         refused = _unimplemented(path)
+        if path in NOT_VERLS:
+            raise ConfigError(f"{written}: not a key of verl 0.9.1 either (its schema refuses it); {NOT_VERLS[path]}")
         if refused is not None:
             default, instead = UNIMPLEMENTED[refused]
             accepted = default if isinstance(default, tuple) else (default,)

@@ -386,15 +386,18 @@ def test_a_custom_reward_function_is_loaded_from_the_file_verl_names(tmp_path):
 @pytest.mark.parametrize(
     ("path", "name", "message"),
     [
-        ("missing.py", "compute_score", r"custom_reward_function\.path: expected a Python file"),
-        ("my_reward.py", "absent", r"custom_reward_function\.name: .* has no function 'absent'"),
+        ("missing.py", "compute_score", r"custom_reward_function\.path: no such file '.*missing\.py' \(relative"),
+        ("reward.txt", "compute_score", r"custom_reward_function\.path: expected a Python file \(\.py\)"),
+        ("my_reward.py", "absent", r"custom_reward_function\.name: .* has no 'absent'$"),
+        ("my_reward.py", "SCALE", r"custom_reward_function\.name: 'SCALE' in .* is not a function$"),
         ("broken.py", "compute_score", r"custom_reward_function\.path: importing .* failed: ZeroDivisionError"),
     ],
 )
 def test_a_custom_reward_function_that_cannot_load_is_one_line(tmp_path, path, name, message):
     from skip_plugin_trainer.reward import Rewarder
 
-    (tmp_path / "my_reward.py").write_text("def compute_score(*args):\n    return 0.0\n")
+    (tmp_path / "my_reward.py").write_text("SCALE = 2\n\ndef compute_score(*args):\n    return 0.0\n")
+    (tmp_path / "reward.txt").write_text("def compute_score(*args):\n    return 0.0\n")
     (tmp_path / "broken.py").write_text("1 / 0\n")
     s = settings(
         f"+reward.custom_reward_function.path={tmp_path / path}", f"+reward.custom_reward_function.name={name}"

@@ -1,9 +1,9 @@
 """The prompts of one split, read, rendered with the chat template and length-checked once.
 
-``RLDataset`` reads verl-shaped rows (``rows.py``), renders each prompt with the tokenizer's chat
-template at construction (the same ``ChatFormat.prompt_ids`` the agent loop uses, so
-``raw_prompt_ids`` match rollouts token for token), and drops or truncates prompts over
-``max_prompt_length``.
+``RLDataset`` reads verl-shaped rows (``rows.py``, or the items of the user's ``data.custom_cls``:
+``custom.py``), renders each prompt with the tokenizer's chat template at construction (the same
+``ChatFormat.prompt_ids`` the agent loop uses, so ``raw_prompt_ids`` match rollouts token for
+token), and drops or truncates prompts over ``max_prompt_length``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 from skip_core.config import ConfigError
 
 from skip_plugin_trainer.data.chat import ChatFormat
+from skip_plugin_trainer.data.custom import custom_rows
 from skip_plugin_trainer.data.rows import data_files, messages, read_rows, tools_kwargs
 from skip_plugin_trainer.run_sections import DataConfig
 
@@ -55,7 +56,10 @@ class RLDataset(torch.utils.data.Dataset):
         self.tools_schemas = tools_schemas
         self.pad_token_id = _pad_token_id(tokenizer)
         self._chat = ChatFormat(tokenizer, config.apply_chat_template_kwargs)
-        rows = read_rows(data_files(files, files_key))
+        if config.custom_cls.path is None:
+            rows = read_rows(data_files(files, files_key))
+        else:
+            rows = custom_rows(files, tokenizer, config, files_key)
         if not rows:
             raise ConfigError(f"{files_key}: the files hold no rows")
         if len(rows) > PROGRESS_ROWS if progress is None else progress:
