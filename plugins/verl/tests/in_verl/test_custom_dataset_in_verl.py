@@ -14,7 +14,7 @@ from skip_plugin_trainer.data import RLDataset
 from skip_plugin_trainer.run_sections import DataConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "tests"))
-from word_chat import row, word_tokenizer, write_parquet  # noqa: E402 (the repository's test helpers)
+from word_chat import row, word_tokenizer, write_parquet  # the repository's test helpers
 
 # The recipes' pattern (ReTool's CustomRLHFDataset): verl's class, its rows reshaped.
 SUBCLASS = """
