@@ -122,6 +122,8 @@ UNUSED: dict[str, str] = {
         ],
         _LOGS,
     ),
+    "model.lora.merge": "skip's engines always get the merged weights W + (alpha / rank) B A, as with merge=true",
+    "model.lora.*": "verl's Megatron LoRA, read only with model.lora.rank > 0, which skip refuses",
     "trainer.balance_batch": "skip's actor is one data-parallel rank: there is nothing to balance",
     "trainer.use_legacy_worker_impl": "it picks between verl's own worker implementations; skip's are its own",
     "rollout.val_kwargs.do_sample": "verl's agent loop validates with val_kwargs.temperature, as skip does",
@@ -138,6 +140,7 @@ UNUSED: dict[str, str] = {
 #: Keys skip accepts only at verl's default: skip path -> (that default, what skip does instead).
 #: A tuple of defaults lists the spellings of one value.
 UNIMPLEMENTED: dict[str, tuple[Any, str]] = {
+    "model.lora.rank": (0, "model.lora.* is verl's Megatron LoRA; skip's is model.lora_rank, lora_alpha, target_modules"),
     "model.lora_adapter_path": (None, "skip's LoRA starts from new adapters (model.lora_rank)"),
     "critic.model.lora_rank": (0, "skip's critic trains every weight (model.lora_rank is the actor's)"),
     "model.external_lib": (None, "skip imports no module a config names"),

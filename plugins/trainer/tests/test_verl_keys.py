@@ -54,8 +54,12 @@ def test_an_interpolation_of_the_shipped_config_follows_the_verl_path():
         (["+model.foo=1"], r"^model\.foo: unknown key \(allowed: attn_implementation, enable_gradient_checkpointing, "),
         (["+data.foo=1"], r"^data\.foo: unknown key"),
         (
-            ["+actor_rollout_ref.model.lora.merge=True"],
-            r"^actor_rollout_ref\.model\.lora \(skip's model\.lora\): unknown",
+            ["+actor_rollout_ref.model.lora.rank=8"],
+            r"^actor_rollout_ref\.model\.lora\.rank: not implemented: model\.lora\.\* is verl's Megatron LoRA",
+        ),
+        (
+            ["actor_rollout_ref.model.torch_dtype=bfloat16"],
+            r"^actor_rollout_ref\.model\.torch_dtype: not a key of verl",
         ),
         (
             ["++actor_rollout_ref.rollout.nn=3"],
@@ -452,6 +456,11 @@ def test_no_section_drops_a_key_it_does_not_declare():
     roots = [*found.sections.values(), *(role.config for role in found.roles.values())]
     lax = {model.__name__ for root in roots for model in models(root) if model.model_config.get("extra") != "forbid"}
     assert lax == {"TaskConfig"}
+
+
+def test_verls_merged_lora_sync_is_what_skip_always_does():
+    with pytest.warns(UnusedKeysWarning, match=r"actor_rollout_ref\.model\.lora\.merge \(skip's engines always get"):
+        settings("+actor_rollout_ref.model.lora.merge=True", "actor_rollout_ref.model.lora.alpha=64")
 
 
 def test_lora_keys_without_a_rank_are_said_to_be_unused():
