@@ -312,13 +312,14 @@ class SkipManager:
         """The cache store of each enabled role, by role name."""
         return {name: slot.store for name, slot in _slots.items() if slot.enabled}
 
-    @classmethod
-    def unreachable(cls, last_step: int) -> dict[str, StepSet]:
-        """The steps of each enabled trainer-step role past ``last_step``, by role name: a run
-        that ends there never reaches them (a typo such as ``1..2000`` for ``1..200``). An open
-        range (``1..``, every step) is never a typo."""
-        active = [(name, slot) for name, slot in _slots.items() if slot.enabled and not slot.online]
-        beyond = {name: slot.config.steps.bounded.above(last_step) for name, slot in active}
+    @staticmethod
+    def unreachable(roles: Mapping[str, RoleConfig], last_step: int) -> dict[str, StepSet]:
+        """The steps of each enabled trainer-step role of ``roles`` past ``last_step``, by role
+        name: a run that ends there never reaches them (a typo such as ``1..2000`` for ``1..200``).
+        An open range (``1..``, every step) is never a typo. Nothing is activated: ``--check`` asks too."""
+        installed = registry().roles
+        stepped = {n: c for n, c in roles.items() if c.enable and n in installed and not installed[n].online_step}
+        beyond = {name: config.steps.bounded.above(last_step) for name, config in stepped.items()}
         return {name: steps for name, steps in beyond.items() if steps}
 
     @classmethod

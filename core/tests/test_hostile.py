@@ -324,16 +324,18 @@ def test_leftovers_of_killed_dumps_are_removed_when_no_live_process_owns_them(tm
     assert not dead.exists() and alive.exists() and unmarked.exists()
 
 
-def test_steps_are_ranges_a_typo_costs_nothing(tmp_path):
-    steps = parse_section(RoleConfig, "skip.rollout", {"steps": ["1..1000000000000", 5]}).steps
+def test_steps_are_ranges_a_typo_costs_nothing():
+    def rollout(steps, enable=True):
+        return {"rollout": parse_section(RoleConfig, "skip.rollout", {"enable": enable, "steps": steps})}
+
+    steps = rollout(["1..1000000000000", 5])["rollout"].steps
     assert steps == StepSet([(1, 10**12)]) and 10**12 in steps and 10**12 + 1 not in steps
     assert str(steps.above(20)) == "21..1000000000000"
-    SkipManager.init(config(tmp_path, steps="1..1000000000000"))
-    assert SkipManager.unreachable(20) == {"rollout": StepSet([(21, 10**12)])}
-    every = parse_section(RoleConfig, "skip.rollout", {"steps": ["5..", 2]}).steps
+    assert SkipManager.unreachable(rollout("1..1000000000000"), 20) == {"rollout": StepSet([(21, 10**12)])}
+    assert SkipManager.unreachable(rollout("1..1000000000000", enable=False), 20) == {}
+    every = rollout(["5..", 2])["rollout"].steps
     assert 2 in every and 3 not in every and 10**15 in every and str(every) == "2, 5.."
-    SkipManager.init(config(tmp_path, steps=["5..", 2]))  # an open range is every step: never a typo
-    assert SkipManager.unreachable(20) == {}
+    assert SkipManager.unreachable(rollout(["5..", 2]), 20) == {}  # an open range is every step: never a typo
 
 
 # -- the reader's bound on nesting ------------------------------------------------------------

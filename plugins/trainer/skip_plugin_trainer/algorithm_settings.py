@@ -49,9 +49,13 @@ class RewardConfig(_Section):
     """``reward``: which function scores responses; ``tool_rewards`` adds the tools' own rewards.
 
     ``timeout_s``: how long one call of the function may take; a sample whose call runs longer
-    scores 0, as in verl's PRIME reward manager, and is counted in ``reward/timeouts``."""
+    scores 0, as in verl's PRIME reward manager, and is counted in ``reward/timeouts``.
+    ``manager``: verl's reward manager (``reward.reward_manager.name``). ``naive`` and ``dapo``
+    score alike (``dapo`` with the overlong buffer); ``gdpo`` also gives the function
+    ``extra_info["experiment_name"]`` (``trainer.experiment_name``), as verl's GDPO manager does."""
 
     function: str = "task"
+    manager: Literal["naive", "dapo", "gdpo"] = "naive"
     custom_reward_function: CustomRewardFunction = CustomRewardFunction()
     timeout_s: PositiveFloat = 60.0
     tool_rewards: bool = True

@@ -17,7 +17,7 @@ import yaml
 from rich.console import Console
 
 from skip_plugin_trainer import verl_defaults
-from skip_plugin_trainer.rollout.parts import RolloutParts, load_tokenizer, prompt_loader
+from skip_plugin_trainer.rollout.parts import RolloutParts
 from skip_plugin_trainer.settings import RolloutSettings, RunSettings
 
 
@@ -25,25 +25,27 @@ def check(config: Any, console: Console, command: str) -> RolloutSettings:
     """Validate ``config`` for ``skip <command>`` and print its settings; a problem raises the
     ``ConfigError`` the command would stop with."""
 
+    from skip_plugin_trainer.rollout.job import check_known_steps, load_checked
+    from skip_plugin_trainer.train.preflight import load_data, schedule, warn_unreachable
+    from skip_plugin_trainer.train.tracking import check_loggers
+
     settings = RunSettings.from_config(config) if command == "run" else RolloutSettings.from_config(config)
     parts = RolloutParts.from_settings(settings)
     if isinstance(settings, RunSettings):
-        from skip_plugin_trainer.train.preflight import load_data, schedule
-        from skip_plugin_trainer.train.tracking import check_loggers
-
         check_loggers(settings.trainer.logger)
         schedule(settings)
+    else:
+        check_known_steps(settings)
     missing = _to_build(settings)
     if missing:
         console.print(f"# task {settings.task.name} builds {', '.join(missing)} on the first run: not checked")
         _load_user_code(settings)
+        if isinstance(settings, RunSettings):
+            warn_unreachable(settings, batches=None)
     elif isinstance(settings, RunSettings):
         load_data(settings, parts)
     else:
-        from skip_plugin_trainer.rollout.job import task_rewarder
-
-        tokenizer = load_tokenizer(settings)
-        task_rewarder(settings, tokenizer, prompt_loader(settings, tokenizer, parts.tools).dataset)
+        load_checked(settings, parts)
     console.print(yaml.safe_dump(settings.dump(), sort_keys=False).rstrip(), soft_wrap=True, markup=False)
     if isinstance(settings, RunSettings):
         lines = [*settings.placement().lines(), settings.weight_sync().line(), *verl_defaults.lines(settings.dump())]

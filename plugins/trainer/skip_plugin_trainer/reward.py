@@ -82,7 +82,9 @@ def _tasks_by_source() -> dict[str, Any]:
 class Rewarder:
     """Scores rollouts with the configured function; checked against the data before step 1."""
 
-    def __init__(self, config: RewardConfig, tokenizer: Any, max_response_length: int) -> None:
+    def __init__(
+        self, config: RewardConfig, tokenizer: Any, max_response_length: int, experiment_name: str | None = None
+    ) -> None:
         from skip_core.plugins import registry
 
         custom = config.custom_reward_function
@@ -93,6 +95,8 @@ class Rewarder:
             self.fn = lookup("reward.function", "reward function", config.function, registry().rewards)
             self.label = f"{config.function} (reward.function)"
         self.config = config
+        # verl's GDPO manager tells the function the experiment (its GDPO rewards read it)
+        self.told = {"experiment_name": experiment_name} if config.manager == "gdpo" else {}
         self.tokenizer = tokenizer
         self.max_response_length = max_response_length
         self.calls = TimedCalls(config.timeout_s, MAX_HUNG_CALLS, name="skip-reward")
@@ -181,7 +185,10 @@ class Rewarder:
     def _call(self, i: int, text: str, extras: Mapping[str, np.ndarray]) -> tuple[float, dict[str, float]] | None:
         """Sample ``i``'s score as the function gave it, with the dict's other numbers; None for a
         call past ``reward.timeout_s``."""
-        args = (extras["data_source"][i], text, extras["ground_truth"][i], extras["extra_info"][i])
+        extra_info = extras["extra_info"][i]
+        if self.told:
+            extra_info = {**(extra_info or {}), **self.told}
+        args = (extras["data_source"][i], text, extras["ground_truth"][i], extra_info)
         timeout = f"{self.config.timeout_s:g} s"
         try:
             outcome = self.calls.call(self.fn, *args)

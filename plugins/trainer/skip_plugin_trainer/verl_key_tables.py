@@ -124,6 +124,8 @@ UNUSED: dict[str, str] = {
     ),
     "model.lora.merge": "skip's engines always get the merged weights W + (alpha / rank) B A, as with merge=true",
     "model.lora.*": "verl's Megatron LoRA, read only with model.lora.rank > 0, which skip refuses",
+    "actor.use_prefix_grouper": "the same log-probs, the prompt's attention shared by its samples: speed",
+    "distillation.*": "verl reads them only with distillation.enabled=true, which skip refuses",
     "trainer.balance_batch": "skip's actor is one data-parallel rank: there is nothing to balance",
     "trainer.use_legacy_worker_impl": "it picks between verl's own worker implementations; skip's are its own",
     "rollout.val_kwargs.do_sample": "verl's agent loop validates with val_kwargs.temperature, as skip does",
@@ -140,7 +142,13 @@ UNUSED: dict[str, str] = {
 #: Keys skip accepts only at verl's default: skip path -> (that default, what skip does instead).
 #: A tuple of defaults lists the spellings of one value.
 UNIMPLEMENTED: dict[str, tuple[Any, str]] = {
-    "model.lora.rank": (0, "model.lora.* is verl's Megatron LoRA; skip's is model.lora_rank, lora_alpha, target_modules"),
+    "model.lora.rank": (
+        0,
+        "model.lora.* is verl's Megatron LoRA; skip's is model.lora_rank, lora_alpha, target_modules",
+    ),
+    "distillation.enabled": (False, "skip has no on-policy distillation (a teacher's log-probs as the target)"),
+    "data.image_key": ("images", "skip reads text prompts only: a row with images is refused"),
+    "data.video_key": ("videos", "skip reads text prompts only: a row with videos is refused"),
     "model.lora_adapter_path": (None, "skip's LoRA starts from new adapters (model.lora_rank)"),
     "critic.model.lora_rank": (0, "skip's critic trains every weight (model.lora_rank is the actor's)"),
     "model.external_lib": (None, "skip imports no module a config names"),
@@ -171,4 +179,7 @@ UNIMPLEMENTED: dict[str, tuple[Any, str]] = {
 #: skip path -> where verl keeps what the script meant.
 NOT_VERLS: dict[str, str] = {
     "model.torch_dtype": "the actor's dtype is actor_rollout_ref.actor.fsdp_config.model_dtype",
+    "actor.policy_loss.tau_pos": "SAPO's temperatures are actor_rollout_ref.actor.tau_pos and tau_neg",
+    "actor.policy_loss.tau_neg": "SAPO's temperatures are actor_rollout_ref.actor.tau_pos and tau_neg",
+    "actor.gvpo_beta": "GVPO is verl-recipe's recipe/gvpo for verl 0.6 (its own gvpo_trainer.yaml adds the key)",
 }

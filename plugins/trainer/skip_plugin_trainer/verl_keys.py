@@ -211,17 +211,19 @@ def _clip_ratio(resolved: Resolved) -> None:
             resolved.origins[bound] = written
 
 
-_MANAGERS = ("naive", "dapo")
+_MANAGERS = ("naive", "dapo", "gdpo")
 
 
 def _reward_manager(resolved: Resolved) -> None:
-    """verl's reward managers skip has: ``naive`` (the function's score) and ``dapo`` (plus the
-    overlong buffer when ``overlong_buffer.enable``), both what skip's reward computes."""
+    """verl's reward managers skip has, as ``reward.manager``: ``naive`` (the function's score),
+    ``dapo`` (plus the overlong buffer when ``overlong_buffer.enable``) and ``gdpo`` (the
+    function also told the experiment's name)."""
     config = resolved.config
     for key in ("reward_model.reward_manager", "reward.reward_manager.name"):
         name = _pop(config, key)
         if name is None:
             continue
+        _put(config, "reward.manager", name)
         if name not in _MANAGERS:
             raise ConfigError(
                 f"{key}: {name!r} is not implemented: skip's reward is the function's score, with DAPO's "

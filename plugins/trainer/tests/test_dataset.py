@@ -337,3 +337,10 @@ def test_tokenizes_a_few_thousand_rows_quickly(tmp_path, tokenizer):
     dataset = RLDataset(path, tokenizer, config(max_prompt_length=32))
     assert len(dataset) == 3000
     assert dataset[-1]["attention_mask"].sum().item() == 20 + OVERHEAD
+
+
+@pytest.mark.parametrize("media", ["images", "videos"])
+def test_a_row_with_images_or_videos_is_refused_naming_it(tmp_path, tokenizer, media):
+    rows = [row(0, **{media: None}), row(1, **{media: [{"bytes": b"\x89PNG"}]})]
+    with pytest.raises(ConfigError, match=rf"rows\.parquet, row 1: the row has {media}; skip reads text prompts only"):
+        RLDataset(write_parquet(tmp_path / "rows.parquet", rows), tokenizer, config())

@@ -71,6 +71,25 @@ def test_rewarder_adds_tool_rewards_unless_turned_off():
     assert scores.tolist() == [[0.0, 1.0], [0.0, 0.0]]
 
 
+def test_verls_gdpo_manager_tells_the_function_the_experiment_and_naive_does_not(tmp_path):
+    """As verl's GDPO manager does: GDPO's own reward (rlla.py) reads extra_info["experiment_name"]."""
+    source = tmp_path / "told.py"
+    source.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+        "    return float(extra_info.get('experiment_name') == 'exp-7') + extra_info['index']\n"
+    )
+    batch = Batch.from_dict(
+        {"responses": torch.tensor([[0, 5]]), "response_mask": torch.tensor([[1, 1]])},
+        {"data_source": ["any"], "ground_truth": ["7"], "extra_info": [{"index": 10}]},
+    )
+    custom = {"path": str(source)}
+    for manager, expected in (("gdpo", 11.0), ("naive", 10.0), ("dapo", 10.0)):
+        config = RewardConfig(manager=manager, custom_reward_function=custom)
+        scores, _ = Rewarder(config, Tokenizer(["Answer: 7"]), 2, experiment_name="exp-7")(batch)
+        assert scores.sum() == expected, manager
+    assert batch.non_tensor_batch["extra_info"][0] == {"index": 10}  # the row's own dict is left as it was
+
+
 def test_unknown_function_and_unscorable_data_fail_naming_the_key():
     with pytest.raises(ConfigError, match=r"reward.function: unknown reward function 'mine' \(installed: task\)"):
         Rewarder(RewardConfig(function="mine"), Tokenizer([]), 2)

@@ -22,6 +22,8 @@ SCRIPTS = sorted(CORPUS.glob("*.txt"))
 # verl picks the schedule by its entry module; skip by trainer.schedule.
 SCHEDULES = {
     "verl.trainer.main_ppo": "sync",
+    "verl.trainer.main_ppo_sync": "sync",  # the older name of main_ppo some of its examples still call
+    "recipe.gvpo.gvpo_main_ppo": "sync",
     "recipe.dapo.main_dapo": "sync",
     "verl.experimental.one_step_off_policy.main_ppo": "one_step_off",
     "verl.experimental.fully_async_policy.fully_async_main": "fully_async",
@@ -54,11 +56,12 @@ def paths(task_dir, tmp_path_factory):
         "VAL": str(task_dir / "data" / "val.parquet"),
         "TOOLS": "pkg://skip_plugin_arithmetic/calculator.yaml",
         "OUT": str(out / "run"),
+        "USER_CODE": str(CORPUS / "stand_ins.py"),
     }
 
 
 def substituted(overrides: list[str], paths: dict[str, str]) -> list[str]:
-    pattern = re.compile(r"\$(MODEL|TRAIN|VAL|TOOLS|OUT|REWARD_FN)\b")
+    pattern = re.compile(r"\$(MODEL|TRAIN|VAL|TOOLS|OUT|USER_CODE)\b")
     return [pattern.sub(lambda m: paths[m.group(1)], line) for line in overrides]
 
 

@@ -108,6 +108,9 @@ class RLDataset(torch.utils.data.Dataset):
         if not isinstance(row, Mapping):
             raise ConfigError(f"{where}: expected an object of columns, got {type(row).__name__}")
         chat = messages(row, self.config.prompt_key, where)
+        for media in ("images", "videos"):  # verl's data.image_key / video_key, at their defaults
+            if row.get(media) is not None and len(row[media]):
+                raise ConfigError(f"{where}: the row has {media}; skip reads text prompts only")
         extra_info = dict(row.get("extra_info") or {})
         tools = tools_kwargs(extra_info.get("tools_kwargs"))
         record = {

@@ -73,9 +73,7 @@ def run(config: Any, console: Console) -> Totals:
 
     hf_logging.disable_progress_bar()  # per-shard bars for a model that loads in milliseconds
     settings = RolloutSettings.from_config(config)
-    trainer = settings.sections[TrainerConfig]
-    if trainer.total_training_steps:  # known from the settings alone: refused before anything starts
-        check_steps(settings.steps, trainer, batches=0)
+    check_known_steps(settings)
     SkipManager.activate(settings.roles, settings.namespace, settings.setup)
     SkipManager.hold("skip rollout")
     spans.configure(settings.sections, worker=0)
@@ -83,10 +81,7 @@ def run(config: Any, console: Console) -> Totals:
     if settings.task.name is not None:
         console.print(f"task {settings.task.name}: data and model under {settings.task.dir}")
     prepare_task(settings)
-    tokenizer = load_tokenizer(settings)
-    loader = prompt_loader(settings, tokenizer, parts.tools)
-    check_steps(settings.steps, trainer, batches=len(loader))  # before the engine loads the model
-    rewarder = task_rewarder(settings, tokenizer, loader.dataset)
+    tokenizer, loader, rewarder = load_checked(settings, parts)  # before the engine loads the model
     output = CacheStore(settings.output_dir, settings.namespace, "rollout") if settings.output_dir else None
     if output is not None:  # after every check: a rollout that fails one writes nothing there
         output.hold("skip rollout")
@@ -111,6 +106,23 @@ def run(config: Any, console: Console) -> Totals:
     seconds = time.perf_counter() - start
     console.print(summary(totals, settings, seconds, loaded=loop.rollouts == 0))
     return totals
+
+
+def check_known_steps(settings: RolloutSettings) -> None:
+    """Refuse steps past ``trainer.total_training_steps`` when it is set: known from the settings
+    alone, before the task is built or anything starts."""
+    trainer = settings.sections[TrainerConfig]
+    if trainer.total_training_steps:
+        check_steps(settings.steps, trainer, batches=0)
+
+
+def load_checked(settings: RolloutSettings, parts: RolloutParts) -> tuple[Any, PromptLoader, Any]:
+    """The tokenizer, the prompts and the rewarder, checked as ``skip rollout`` checks them before
+    its engine starts (``--check`` runs this too): every step within the run, every row scorable."""
+    tokenizer = load_tokenizer(settings)
+    loader = prompt_loader(settings, tokenizer, parts.tools)
+    check_steps(settings.steps, settings.sections[TrainerConfig], batches=len(loader))
+    return tokenizer, loader, task_rewarder(settings, tokenizer, loader.dataset)
 
 
 def check_steps(steps: StepSet, trainer: TrainerConfig, batches: int) -> None:
@@ -191,7 +203,9 @@ def task_rewarder(settings: RolloutSettings, tokenizer: Any, dataset: RLDataset)
         return None
     from skip_plugin_trainer.reward import Rewarder
 
-    rewarder = Rewarder(settings.reward, tokenizer, settings.data.max_response_length)
+    rewarder = Rewarder(
+        settings.reward, tokenizer, settings.data.max_response_length, settings.sections[TrainerConfig].experiment_name
+    )
     rewarder.check_data(dataset, "data.train_files")
     return rewarder
 

@@ -39,12 +39,19 @@ class UnreachableStepsWarning(UserWarning):
     """A skip role lists steps past the run's last one: most likely a typo in a range (``1..2000`` for ``1..200``)."""
 
 
-def warn_unreachable(last_step: int, trainer: TrainerConfig) -> None:
-    """Once per skip role whose steps run past ``last_step``: a warning, since the listed ones still work."""
+def warn_unreachable(s: RunSettings, batches: int | None) -> None:
+    """Once per skip role whose steps run past the run's last step: a warning, since the listed
+    ones still work. ``batches``: the training prompts' batches per epoch, or ``None`` when the
+    data is not read yet (``--check`` before the task is built): then only a set
+    ``trainer.total_training_steps`` is a last step."""
+    trainer = s.trainer
     source = "trainer.total_training_steps"
     if not trainer.total_training_steps:
+        if batches is None:
+            return
         source = "trainer.total_epochs over the batches of data.train_files"
-    for role, steps in SkipManager.unreachable(last_step).items():
+    last_step = last_step_of(trainer, batches or 0)
+    for role, steps in SkipManager.unreachable(s.roles, last_step).items():
         lie, never = ("step {} lies", "it is") if len(steps) == 1 else ("steps {} lie", "they are")
         warnings.warn(
             f"skip.{role}.steps: {lie.format(steps)} past this run's last step {last_step} ({source}); "
@@ -52,6 +59,11 @@ def warn_unreachable(last_step: int, trainer: TrainerConfig) -> None:
             UnreachableStepsWarning,
             stacklevel=3,
         )
+
+
+def last_step_of(trainer: TrainerConfig, batches: int) -> int:
+    """A run's last step: ``trainer.total_training_steps``, else ``batches`` per epoch over its epochs."""
+    return trainer.total_training_steps or batches * trainer.total_epochs
 
 
 def check_writable(path: Path) -> None:
@@ -70,18 +82,20 @@ def check_writable(path: Path) -> None:
 def load_data(s: RunSettings, parts: RolloutParts) -> tuple[Any, PromptLoader, RLDataset | None, Rewarder]:
     """The tokenizer, the training prompts, the validation set (when validation runs) and the
     rewarder, checked: ``reward.function=task`` can score every row, and the workers split the validation
-    set; with LoRA, its target modules are checked against the model."""
+    set; with LoRA, its target modules are checked against the model; skip roles listing steps past
+    the run's last are warned of."""
     if s.model.lora_rank:
         from skip_plugin_trainer.train.lora import check_targets
 
         check_targets(str(s.model_path()), s.model)
     tokenizer = load_tokenizer(s)
     loader = prompt_loader(s, tokenizer, parts.tools)
+    warn_unreachable(s, len(loader))
     val = None
     if s.data.val_files and s.trainer.test_freq > 0:
         schemas = {name: tool.schema for name, tool in parts.tools.items()}
         val = RLDataset(s.data.val_files, tokenizer, s.data, schemas, files_key="data.val_files")
-    rewarder = Rewarder(s.reward, tokenizer, s.data.max_response_length)
+    rewarder = Rewarder(s.reward, tokenizer, s.data.max_response_length, s.trainer.experiment_name)
     rewarder.check_data(loader.dataset, "data.train_files")
     if val is not None:
         rewarder.check_data(val, "data.val_files")

@@ -52,7 +52,7 @@ from skip_plugin_trainer.train.checkpoint_files import Checkpoint
 from skip_plugin_trainer.train.dynamic_sampling import fill
 from skip_plugin_trainer.train.metrics import data_metrics, engine_metrics, throughput_metrics, timing_metrics
 from skip_plugin_trainer.train.phases import Phases
-from skip_plugin_trainer.train.preflight import load_data, schedule, warn_unreachable
+from skip_plugin_trainer.train.preflight import last_step_of, load_data, schedule
 from skip_plugin_trainer.train.resume import claimed, nothing_left, restore, shard_writer, stopped, trainer_state
 from skip_plugin_trainer.train.summary import plot, summary_table
 from skip_plugin_trainer.train.tracking import Tracking, check_loggers
@@ -91,8 +91,7 @@ class Trainer:
         SkipManager.hold(f"skip run {s.trainer.experiment_name}")  # before any work: a second run stops here
         prepare_task(s)
         self.tokenizer, self.loader, self.val_set, self.rewarder = load_data(s, self.parts)
-        self.total_steps = s.trainer.total_training_steps or len(self.loader) * s.trainer.total_epochs
-        warn_unreachable(self.total_steps, s.trainer)
+        self.total_steps = last_step_of(s.trainer, len(self.loader))
         self.train_batch_size, self.ppo_mini_batch_size = s.data.train_batch_size, s.actor.ppo_mini_batch_size
         self.run_dir = Path(os.path.expanduser(s.trainer.default_local_dir))
         self.checkpoints = CheckpointManager(self.run_dir, keep=s.trainer.max_ckpt_to_keep)
