@@ -46,7 +46,7 @@ STEP = "step"
 #: names whichever schedule it is.
 GEN, WEIGHT_SYNC = "gen", "sync_weights"
 #: What ``Run.train`` times, in its order; one the settings leave out (``ref`` without a reference model) is not.
-TRAIN_PHASES = ("reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
+TRAIN_PHASES = ("reward", "old_log_prob", "ref", "teacher", "values", "adv", "update_critic", "update_actor")
 
 
 @dataclass

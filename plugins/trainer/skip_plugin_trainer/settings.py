@@ -41,6 +41,7 @@ from skip_plugin_trainer.algorithm_settings import (
     CriticConfig,
     RewardConfig,
 )
+from skip_plugin_trainer.algorithms.distillation import DistillationConfig
 from skip_plugin_trainer.job_steps import job_steps
 from skip_plugin_trainer.memory_keys import check_budgets, check_offloads
 from skip_plugin_trainer.placement import Placement, plan
@@ -80,6 +81,7 @@ SECTIONS: dict[str, type[BaseModel]] = {
     "actor": ActorConfig,
     "critic": CriticConfig,
     "algorithm": AlgorithmConfig,
+    "distillation": DistillationConfig,
     "trainer": TrainerConfig,
     "resources": Resources,
 }
@@ -181,6 +183,10 @@ class RunSettings(RolloutSettings):
     @property
     def train_batch_size(self) -> int:
         return self.data.train_batch_size
+
+    @property
+    def distillation(self) -> DistillationConfig:
+        return self.sections[DistillationConfig]
 
     @property
     def use_critic(self) -> bool:

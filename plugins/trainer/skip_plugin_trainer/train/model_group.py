@@ -58,6 +58,9 @@ class ModelGroup:
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         return self.per_sample("compute_ref_log_prob", batch)
 
+    def compute_teacher_log_prob(self, batch: Batch) -> Batch:
+        return self.per_sample("compute_teacher_log_prob", batch)
+
     def compute_values(self, batch: Batch) -> Batch:
         return self.per_sample("compute_values", batch)
 

@@ -1,8 +1,8 @@
 """The training phases of a step on a rolled-out batch, in verl's order: reward, old and
-reference log-probs, values, advantages, the critic update and the actor update, each timed
-under its name in ``skip_core.schedule.TRAIN_PHASES``. The driver computes rewards and
-advantages; log-probs and updates run on the policy and critic workers, which see only
-``ACTOR_INPUTS`` and what their phase adds.
+reference log-probs (and a distillation teacher's), values, advantages, the critic update and
+the actor update, each timed under its name in ``skip_core.schedule.TRAIN_PHASES``. The driver
+computes rewards and advantages; log-probs and updates run on the policy and critic workers,
+which see only ``ACTOR_INPUTS`` and what their phase adds.
 """
 
 from __future__ import annotations
@@ -85,6 +85,10 @@ class Phases:
             with record.timed("ref"):
                 ref = self.ref_log_prob(batch.select(ACTOR_INPUTS, [], []))
                 batch.batch["ref_log_prob"] = ref.batch["ref_log_prob"]
+        if self.settings.distillation.enabled:
+            with record.timed("teacher"):
+                teacher = self.actor.compute_teacher_log_prob(batch.select(ACTOR_INPUTS, [], []))
+                batch.batch["teacher_log_prob"] = teacher.batch["teacher_log_prob"]
         if self.critic is not None:
             with record.timed("values"):
                 batch.batch["values"] = self.values(batch.select(ACTOR_INPUTS, [], [])).batch["values"]
@@ -210,6 +214,8 @@ class Phases:
             keys.append("ref_log_prob")
         if "rollout_is_weights" in batch.batch:
             keys.append("rollout_is_weights")
+        if self.settings.distillation.enabled:
+            keys.append("teacher_log_prob")
         inputs = batch.select(keys, [], [])
         if self.bypass:  # verl's apply_bypass_mode: the policy's loss corrects against the rollout's log-probs
             inputs.meta_info["rollout_correction"] = self.correction

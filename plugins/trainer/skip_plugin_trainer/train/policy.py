@@ -19,6 +19,7 @@ from skip_core.weight_group import Layout, WeightGroup
 from skip_plugin_trainer.algorithm_settings import ActorConfig, RolloutCorrection
 from skip_plugin_trainer.algorithms.aggregation import Totals, agg_loss
 from skip_plugin_trainer.algorithms.contract import LossContext, LossInputs, policy_loss
+from skip_plugin_trainer.algorithms.distillation import DistillationConfig, combined, distillation_loss
 from skip_plugin_trainer.algorithms.kl import kl_penalty
 from skip_plugin_trainer.rollout.weights import Bucket
 from skip_plugin_trainer.run_sections import ModelConfig
@@ -54,6 +55,7 @@ class Policy(TrainedModel):
         samples_per_prompt: int,
         temperature: float = 1.0,
         use_reference: bool = False,
+        teacher: DistillationConfig | None = None,
         seed: int = 0,
         threads: int | None = None,
         total_training_steps: int | None = None,
@@ -112,6 +114,17 @@ class Policy(TrainedModel):
         self.reference_offload = Offload(self.device, weights=config.ref_param_offload or colocated, optimizer=False)
         if self.reference is not None:
             self.reference_offload.park(self.reference, None)
+        # verl's on-policy distillation: the teacher, frozen in the compute dtype, parked as the reference is
+        self.distillation = teacher if teacher is not None and teacher.enabled else None
+        self.teacher = None
+        if self.distillation is not None:
+            self.teacher = pretrained(
+                AutoModelForCausalLM, self.distillation.teacher_path, precision.compute, kernel, device,
+                shard if sharded else None,
+            ).requires_grad_(False).eval()  # fmt: skip
+            if not sharded:
+                self.teacher = shard(self.teacher.to(self.device))
+            self.reference_offload.park(self.teacher, None)
         self._published = Published({}, 1)  # the weights being synced, by ``publish_weights``
         self._sender: WeightSender | None = None  # rank 0's place in the weight group
 
@@ -142,6 +155,16 @@ class Policy(TrainedModel):
             with self.reference_offload.loaded(self.reference, None):
                 parts = [self._forward(self.reference, micro, entropy=False)[0] for micro in micros.micros]
         return Batch({"ref_log_prob": micros.restore(torch.cat(parts)).cpu()})
+
+    @torch.no_grad()
+    def compute_teacher_log_prob(self, batch: Batch) -> Batch:
+        """The responses' log-probs under the distillation teacher, at the rollout temperature."""
+        if self.teacher is None:
+            raise RuntimeError("the policy was built without a teacher (distillation.enabled is false)")
+        micros = split(batch, self.config.ppo_micro_batch_size, self.config.log_prob_budget(reference=True))
+        with self.reference_offload.loaded(self.teacher, None):
+            parts = [self._forward(self.teacher, micro, entropy=False)[0] for micro in micros.micros]
+        return Batch({"teacher_log_prob": micros.restore(torch.cat(parts)).cpu()})
 
     @resident
     def publish_weights(self, megabytes: float, keep: bool) -> list[Layout]:
@@ -220,7 +243,8 @@ class Policy(TrainedModel):
                 micro.batch["old_log_probs"], log_prob, micro.batch["advantages"], mask,
                 weights=micro.batch.get("rollout_is_weights"),  # decoupled mode's, when rollout_is is set
             )  # fmt: skip
-            result = loss_of(inputs, LossContext(cfg, totals, mask, correction))
+            context = LossContext(cfg, totals, mask, correction)
+            result = loss_of(inputs, context)
             total = result.loss
             if cfg.entropy_coeff:
                 total = total - cfg.entropy_coeff * agg_loss(entropy, mask, cfg.loss_agg_mode, totals)
@@ -235,6 +259,13 @@ class Policy(TrainedModel):
                     parts[key] += value
                 else:  # the rollout correction's, a value per micro-batch
                     metrics.means[key].append(value)
+            if self.distillation is not None:
+                loss = self.distillation.distillation_loss
+                distilled = distillation_loss(inputs, micro.batch["teacher_log_prob"], context, loss)
+                total = combined(total, distilled.loss, loss)
+                parts["distillation/loss"] += distilled.loss.item()
+                for key, value in distilled.metrics.items():
+                    parts[key] += value
             return total
 
         grad_norm = self._micro_batches(mini, loss)

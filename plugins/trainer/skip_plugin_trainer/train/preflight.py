@@ -89,6 +89,8 @@ def load_data(s: RunSettings, parts: RolloutParts) -> tuple[Any, PromptLoader, R
 
         check_targets(str(s.model_path()), s.model)
     tokenizer = load_tokenizer(s)
+    if s.distillation.enabled:
+        check_teacher(s.distillation.teacher_path, tokenizer)
     loader = prompt_loader(s, tokenizer, parts.tools)
     warn_unreachable(s, len(loader))
     val = None
@@ -106,3 +108,19 @@ def load_data(s: RunSettings, parts: RolloutParts) -> tuple[Any, PromptLoader, R
                 f"{len(val)} validation prompts of data.val_files evenly"
             )
     return tokenizer, loader, val, rewarder
+
+
+def check_teacher(path: str, tokenizer: Any) -> None:
+    """The distillation teacher reads the student's tokens: its tokenizer must be the student's."""
+    from transformers import AutoTokenizer
+
+    key = "distillation.teacher_models"
+    try:
+        teacher = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{key}: cannot load the teacher's tokenizer from {path}: {exc}") from None
+    if teacher.get_vocab() != tokenizer.get_vocab():
+        raise ConfigError(
+            f"{key}: the teacher's tokenizer ({path}, {len(teacher)} tokens) is not the student's (model.path, "
+            f"{len(tokenizer)} tokens): its log-probs would be of other tokens"
+        )

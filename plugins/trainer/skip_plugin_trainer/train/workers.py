@@ -95,6 +95,7 @@ class Cluster:
                 temperature=settings.rollout.temperature,
                 **ranks,
                 use_reference=settings.use_reference,
+                teacher=settings.distillation,
                 model_config=settings.model,
                 **common,
             ),
