@@ -67,6 +67,13 @@ def _registered(table: dict[str, Any], name: str, key: str) -> Any:
     return table[name]
 
 
+def dividing(total: int, given: int) -> str:
+    """The way out of a value that does not divide ``total``: the divisors nearest ``given``."""
+    divisors = [d for d in range(1, total + 1) if total % d == 0]
+    nearest = sorted(sorted(divisors, key=lambda d: (abs(d - given), d))[:4])
+    return f"; values that divide it: {', '.join(map(str, nearest))}"
+
+
 class UnusedKeysWarning(UserWarning):
     """Keys a config passes that change nothing here: verl's GPU tuning and logs, a null task's options."""
 
@@ -318,18 +325,20 @@ class RunSettings(RolloutSettings):
             if batch % model.ppo_mini_batch_size:
                 raise ConfigError(
                     f"{name}.ppo_mini_batch_size: {model.ppo_mini_batch_size} prompts do not divide "
-                    f"data.train_batch_size={batch}"
+                    f"data.train_batch_size={batch}{dividing(batch, model.ppo_mini_batch_size)}"
                 )
             workers, samples = self.resources.actor.workers, model.ppo_mini_batch_size * n
             if samples % workers:
                 raise ConfigError(
                     f"resources.actor.workers: {workers} workers cannot share the {name}'s mini-batch of "
                     f"{model.ppo_mini_batch_size} prompts x rollout.n={n} = {samples} samples evenly"
+                    f"{dividing(samples, workers)}"
                 )
-            if (model.ppo_mini_batch_size * n) % model.ppo_micro_batch_size:
+            if samples % model.ppo_micro_batch_size:
                 raise ConfigError(
                     f"{name}.ppo_micro_batch_size: {model.ppo_micro_batch_size} samples do not divide a mini-batch "
-                    f"of {model.ppo_mini_batch_size} prompts x rollout.n={n} = {model.ppo_mini_batch_size * n} samples"
+                    f"of {model.ppo_mini_batch_size} prompts x rollout.n={n} = {samples} samples"
+                    f"{dividing(samples, model.ppo_micro_batch_size)}"
                 )
             check_budgets(name, model, self.data)
         self._check_generation_size()
@@ -338,6 +347,7 @@ class RunSettings(RolloutSettings):
             size = "data.gen_batch_size" if generated != batch else "data.train_batch_size"
             raise ConfigError(
                 f"resources.rollout.workers: {workers} workers cannot split {size}={generated} prompts evenly"
+                f"{dividing(generated, workers)}"
             )
         buffer = self.reward.overlong_buffer
         if buffer.enable and buffer.len >= self.data.max_response_length:

@@ -60,7 +60,14 @@ def test_a_task_section_is_validated_by_the_named_tasks_own_options():
 @pytest.mark.parametrize(
     ("sections", "message"),
     [
-        ({"actor": {"ppo_mini_batch_size": 3}}, r"^actor\.ppo_mini_batch_size: 3 prompts do not divide .*=1024$"),
+        (
+            {"actor": {"ppo_mini_batch_size": 3}},
+            r"^actor\.ppo_mini_batch_size: 3 prompts do not divide .*=1024; values that divide it: 1, 2, 4, 8$",
+        ),
+        (  # docs/training.md's rollout.n=5 on the defaults: the error names the micro-batches that fit
+            {"rollout": {"n": 5}, "actor": {"ppo_mini_batch_size": 8, "ppo_micro_batch_size": 32}},
+            r"^actor\.ppo_micro_batch_size: 32 samples do not .* = 40 samples; values that divide it: 8, 10, 20, 40$",
+        ),
         ({"rollout": {"backend": "tgi"}}, r"^rollout\.backend: unknown backend 'tgi' \(installed: "),
         ({"rollout": {"hff": {}}}, r"^rollout\.hff: unknown key \(allowed: backend, .*\); did you mean rollout\.hf\?$"),
         ({"trainer": {"logger": ["mlflow"]}}, r"^trainer\.logger\[0\]: expected 'console', 'jsonl', 'tensorboard' or"),
