@@ -9,9 +9,12 @@ DEMO := runs/demo
 
 .PHONY: demo install test wheels
 
+# Everything the README's next steps name, bar the engines (vLLM, SGLang: docs/install.md): every
+# skip role, the trainer and its schedules, profiling, `skip simulate`, the verl bridge's offline
+# commands (`skip cache import-verl`: verl itself is not needed) and the docs site (`mkdocs serve`).
 install:
 	$(PY) -m venv $(VENV)
-	$(VENV)/bin/pip install -q -c constraints.txt -e core -e plugins/rollout -e plugins/ref_log_prob -e plugins/trainer -e plugins/one_step_off -e plugins/fully_async -e plugins/arithmetic -e plugins/hf -e 'plugins/profiling[analysis]'
+	$(VENV)/bin/pip install -q -c constraints.txt -e core -e plugins/rollout -e plugins/async_rollout -e plugins/reward -e plugins/ref_log_prob -e plugins/old_log_prob -e plugins/values -e plugins/trainer -e plugins/one_step_off -e plugins/fully_async -e plugins/arithmetic -e plugins/hf -e 'plugins/profiling[analysis]' -e plugins/simulate -e plugins/verl mkdocs==1.6.1
 
 # Both runs share the cache namespace (project and experiment names), so the second one loads
 # every step's rollout the first one dumped; each has its own run directory for the comparison.

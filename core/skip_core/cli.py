@@ -51,8 +51,9 @@ class _Commands(click.Group):
             while ctx.parent is not None:  # the subcommand's path below ``skip``: "cache import-verl"
                 words.insert(0, ctx.info_name)
                 ctx = ctx.parent
-            if hint := install_hint("command", " ".join(words)):
-                raise click.UsageError(f"`skip {' '.join(words)}` comes with a plugin that is not installed: {hint}")
+            if hint := install_hint("command", " ".join(words)):  # an error (exit 1), not a usage one
+                command = " ".join(words)
+                raise click.ClickException(f"`skip {command}` comes with a plugin that is not installed: {hint}")
         return super().resolve_command(ctx, args)
 
 
