@@ -356,6 +356,10 @@ def test_metrics_only_runs_compare_their_metrics(tmp_path):
     report = compare(a, b)
     assert report.agree and [p.name for p in report.phases] == ["losses", "grad norms", "metrics"]
     assert any("1 line without a step's metrics skipped" in note for note in report.notes)
+    assert report.metrics_only
+    first_line = invoke(a, b).output.splitlines()[0]
+    assert first_line.startswith("metrics only: no step has per-token training data on both sides; runs with")
+    assert not invoke(make_run(tmp_path / "c"), make_run(tmp_path / "d")).output.startswith("metrics only")
 
 
 def test_train_data_round_trips_atomically_and_refuses_what_it_did_not_write(tmp_path):

@@ -145,6 +145,11 @@ class Report:
     def agree(self) -> bool:
         return self.first is None
 
+    @property
+    def metrics_only(self) -> bool:
+        """No step had per-token data on both sides: only the logged metrics were compared."""
+        return not any(p.name == TOKENS or p.name in PER_TOKEN for p in self.phases)
+
     def headline(self) -> str:
         phase = self.first
         if phase is None:

@@ -12,6 +12,13 @@ from skip_plugin_trainer.diff.compare import PER_TOKEN, Report, shown, step_rang
 def render(report: Report, console: Console) -> None:
     """The report: a table of the phases, what was not compared, the largest differences of the
     phase that differs first, and the headline."""
+    if report.metrics_only:  # first: the tables below would read as a full comparison
+        console.print(
+            Text(
+                "metrics only: no step has per-token training data on both sides; runs with "
+                "trainer.save_train_data=true compare rollouts, log-probs and advantages token by token"
+            )
+        )
     table = Table(title=Text(f"skip diff  A: {report.a}  B: {report.b}"), title_justify="left")
     columns = ("phase", "steps", "compared", "beyond tolerance", "samples left out", "max |a-b|", "at", "mean |a-b|")
     for column in (*columns, "first step beyond"):
