@@ -5,13 +5,13 @@ its progress on a terminal or, elsewhere, as plain lines every few seconds (and 
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from itertools import groupby
 from pathlib import Path
 from typing import Any
 
+from skip_core.progress import progress as skip_progress
 from skip_plugin_trainer.data.chat import ChatFormat
 
 Messages = Sequence[Mapping[str, Any]]
@@ -71,7 +71,8 @@ def warm_up(
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(steps))
     losses = []
     model.train()
-    with _progress(progress, steps, log, label) as advance:
+    shown = skip_progress(steps, label, log=log) if progress else nullcontext(lambda count=1, note="": None)
+    with shown as advance:
         lengths = [len(ids) for ids, _ in examples] if by_length else None
         for indices in _batches(len(examples), batch_size, steps, seed, lengths):
             loss = model(**_collate([examples[i] for i in indices], tokenizer.pad_token_id)).loss
@@ -81,7 +82,7 @@ def warm_up(
             schedule.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
-            advance(losses[-1])
+            advance(note=f"loss {losses[-1]:.3f}")
     model.eval()
     return losses
 
@@ -141,65 +142,3 @@ def _collate(examples: Sequence[tuple[list[int], list[bool]]], pad: int) -> dict
         labels[row, : len(ids)] = torch.where(torch.tensor(sampled), torch.tensor(ids), -100)
         attention_mask[row, : len(ids)] = 1
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
-
-
-@contextmanager
-def _progress(
-    enabled: bool, steps: int, log: Path | None = None, label: str = "warm-up"
-) -> Iterator[Callable[[float], None]]:
-    """The warm-up's progress: a rich bar on a terminal; otherwise (CI, ``nohup``, a cluster log) a
-    plain line every ``PROGRESS_EVERY_S`` seconds. The plain lines also go to ``log`` when given."""
-    if not enabled:
-        yield lambda loss: None
-        return
-    from rich.console import Console
-
-    terminal = Console().is_terminal
-    lines = _ProgressLines(steps, log, echo=not terminal, label=label)
-    with _bar(steps, label) if terminal else nullcontext(lambda loss: None) as bar:
-
-        def advance(loss: float) -> None:
-            bar(loss)
-            lines.advance(loss)
-
-        yield advance
-    lines.emit()
-
-
-@contextmanager
-def _bar(steps: int, label: str) -> Iterator[Callable[[float], None]]:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    columns = (TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"))
-    with Progress(*columns, TimeRemainingColumn(), transient=True) as bar:
-        task = bar.add_task(label, total=steps, loss="-")
-        yield lambda loss: bar.update(task, advance=1, loss=f"{loss:.3f}")
-
-
-PROGRESS_EVERY_S = 10.0
-
-
-class _ProgressLines:
-    """``warm-up 120/350 steps, loss 1.234, 24 s elapsed, about 46 s left``, every few seconds."""
-
-    def __init__(self, steps: int, log: Path | None, echo: bool, label: str = "warm-up") -> None:
-        self.steps, self.log, self.echo, self.label = steps, log, echo, label
-        self.done, self.loss = 0, float("nan")
-        self.start = self.last = time.monotonic()
-
-    def advance(self, loss: float) -> None:
-        self.done, self.loss = self.done + 1, loss
-        if time.monotonic() - self.last >= PROGRESS_EVERY_S:
-            self.emit()
-
-    def emit(self) -> None:
-        self.last = time.monotonic()
-        elapsed = self.last - self.start
-        line = f"{self.label} {self.done}/{self.steps} steps, loss {self.loss:.3f}, {elapsed:.0f} s elapsed"
-        if 0 < self.done < self.steps:
-            line += f", about {elapsed / self.done * (self.steps - self.done):.0f} s left"
-        if self.echo:
-            print(line, flush=True)
-        if self.log is not None:
-            with open(self.log, "a", encoding="utf-8") as file:
-                file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import skip_core.progress
 import torch
 from safetensors.torch import load_file
 from skip_plugin_arithmetic import tiny_model, warmup
@@ -172,7 +173,7 @@ def test_warm_up_progress_without_a_terminal_is_plain_lines_on_stdout_and_in_the
     conversations, tmp_path, monkeypatch, capsys
 ):
     """Output to a file (CI, nohup) gets periodic lines instead of a bar that shows only at the end."""
-    monkeypatch.setattr(warmup, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(skip_core.progress, "EVERY_S", 0.0)
     tokenizer = tiny_model.build_tokenizer(tiny_model.render(conversations, [SCHEMA]))
     model = tiny_model.build_model(tokenizer, seed=0)
     log = tmp_path / "build.log"

@@ -98,6 +98,8 @@ def register(cli: click.Group) -> None:
         cluster.rollout_devices, every overlapped schedule also runs at the splits --split
         names."""
         # `skip` builds its command tree on every start: the simulator (torch, pyarrow) loads here.
+        from skip_core.progress import progress
+
         from skip_plugin_simulate.measured import read_profile
         from skip_plugin_simulate.report import plot, published, recommendation, staleness, table
         from skip_plugin_simulate.simulate import SPLIT_KEY, load, scenario, simulate_point, split_sweep
@@ -120,7 +122,12 @@ def register(cli: click.Group) -> None:
             split = theirs or split_sweep(sim, shares)
             points = sweep_points((*sweeps, split) if split and not theirs else sweeps)
             first = split.split(",")[0] if split else None
-            results = [r for point in points for r in simulate_point(base, overrides, point, names, measured, first)]
+            runs = [(point, schedule) for point in points for schedule in names]
+            results = []
+            with progress(len(runs), "simulating", unit="runs") as advance:
+                for point, schedule in runs:
+                    results += simulate_point(base, overrides, point, [schedule], measured, first)
+                    advance(note=" ".join([schedule, *point]))
         except ConfigError as exc:
             raise click.UsageError(str(exc)) from None
         c = sim.cluster

@@ -32,11 +32,13 @@ def test_second_run_loads_the_cached_generation(task_dir, tmp_path):
     assert first.exit_code == 0, first.output
     assert "4 × 2 = 8 requests" in first.output and "tokens/s" in first.output
     assert "finish reasons" in first.output and "task score" in first.output
+    assert re.search(r"^generating 8/8 samples, \d+ s elapsed$", first.output, re.M)  # progress, in a pipe
     assert len(list(tmp_path.glob("*/*/1"))) == 1
 
     second = rollout(*cached)
     assert second.exit_code == 0, second.output
     assert "loaded from the skip cache" in second.output and "tokens/s" not in second.output
+    assert re.search(r"^generating 8/8 samples", second.output, re.M)  # a cached step counts its samples too
     same = ("prompts × samples", "turns per request", "tool calls", "finish reasons", "task score (mean)")
     assert {k: summary(first.output)[k] for k in same} == {k: summary(second.output)[k] for k in same}
 

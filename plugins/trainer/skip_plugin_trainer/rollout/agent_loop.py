@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 import zlib
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from skip_core import spans
@@ -63,6 +63,7 @@ class AgentLoop:
         self.tools = dict(tools or {})
         self.parser = parser
         self.rollouts = 0  # batches really generated: a skip cache hit never reaches the loop
+        self.on_request: Callable[[], None] | None = None  # told each time a request ends (progress)
         self.weights = EngineWeights(backend)
         self._loop = LoopThread("skip-agent-loop")
 
@@ -171,6 +172,8 @@ class AgentLoop:
         ids = {"request_id": request.request_id, "offset": request.offset, "prompt": request.batch_index}
         with spans.span("request", **ids) as span:
             await self._run_request(request, sampling)
+            if self.on_request is not None:
+                self.on_request()
             span.set(
                 turns=request.turns,
                 tool_calls=request.tool_calls,

@@ -20,6 +20,7 @@ from skip_core import spans, writing
 from skip_core.batch import Batch
 from skip_core.config import ConfigError, StepSet
 from skip_core.manager import SkipManager
+from skip_core.progress import progress
 from skip_core.schedule import GLOBAL_STEPS, INDEX_BASE
 from skip_core.store import CacheStore
 
@@ -88,14 +89,19 @@ def run(config: Any, console: Console) -> Totals:
     loop = parts.agent_loop(settings, tokenizer)
     totals = Totals()
     start = time.perf_counter()
+    samples = len(settings.steps) * settings.generation_batch_size * settings.rollout.n
     try:
-        for step in settings.steps:
-            before = loop.rollouts
-            prompts, batch = _generate(loop, loader, step)
-            if output is not None:
-                console.print(f"saved step {step} to {output.save(step, batch)}")
-            _progress(console, step, batch, cached=loop.rollouts == before, model=settings.model.path)
-            totals.add(prompts, batch, _scores(rewarder, prompts, batch))
+        with progress(samples, "generating", unit="samples") as advance:
+            loop.on_request = advance
+            for step in settings.steps:
+                before = loop.rollouts
+                prompts, batch = _generate(loop, loader, step)
+                if loop.rollouts == before:  # from the skip cache: no request ran
+                    advance(len(batch))
+                if output is not None:
+                    console.print(f"saved step {step} to {output.save(step, batch)}")
+                _progress(console, step, batch, cached=loop.rollouts == before, model=settings.model.path)
+                totals.add(prompts, batch, _scores(rewarder, prompts, batch))
     finally:
         loop.shutdown()
         SkipManager.flush()
