@@ -244,7 +244,7 @@ def _one_line(key: str, model: type[BaseModel], exc: ValidationError, nested: It
     first = errors[0]
     loc = key
     for part in first["loc"]:
-        loc += f"[{part}]" if isinstance(part, int) else f".{part}"
+        loc += f"[{part}]" if isinstance(part, int) else f".{part}" if loc else str(part)  # "": a top level
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     owner = _owner(model, first["loc"])
     return f"{loc}: {_expectation(first, owner, loc, nested if owner is model else ())}{more}"

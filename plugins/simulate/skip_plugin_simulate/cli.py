@@ -79,6 +79,7 @@ def register(cli: click.Group) -> None:
     )
     @click.option("--from-profile", "profile", type=click.Path(exists=True, file_okay=False, path_type=Path))
     @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), help="throughput plot")
+    @click.option("--check", is_flag=True, help="Validate the scenario and every sweep point, list the runs; run none.")
     def simulate_command(
         preset_name: str,
         overrides: tuple[str, ...],
@@ -87,6 +88,7 @@ def register(cli: click.Group) -> None:
         shares: str,
         profile: Path | None,
         plot_path: Path | None,
+        check: bool,
     ) -> None:
         """Run the installed schedules against a simulated trainer and rollout (no model, no Ray).
 
@@ -123,6 +125,12 @@ def register(cli: click.Group) -> None:
             points = sweep_points((*sweeps, split) if split and not theirs else sweeps)
             first = split.split(",")[0] if split else None
             runs = [(point, schedule) for point in points for schedule in names]
+            if check:  # every point's scenario validated as its run would load it
+                for point in points:
+                    load(scenario(base, [*overrides, *point], measured))
+                listed = "; ".join(" ".join([schedule, *point]) for point, schedule in runs)
+                console.print(f"skip simulate {name}: {len(runs)} runs: {listed}", markup=False)
+                return
             results = []
             with progress(len(runs), "simulating", unit="runs") as advance:
                 for point, schedule in runs:

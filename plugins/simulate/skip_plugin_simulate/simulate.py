@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import OmegaConf
-from skip_core.config import ConfigError, lookup
+from skip_core.config import ConfigError, lookup, parse_section
 from skip_core.plugins import registry
 from skip_core.sections import Sections, parse_sections
 
@@ -71,10 +71,7 @@ def load(config: Any) -> tuple[Simulation, Sections]:
     plugin declares them; a bad key is a ``ConfigError`` naming it."""
     raw = OmegaConf.to_container(config, resolve=True) if OmegaConf.is_config(config) else dict(config)
     own = {key: value for key, value in raw.items() if key in Simulation.model_fields}
-    try:
-        sim = Simulation.model_validate(own)
-    except ValueError as exc:
-        raise ConfigError(f"skip simulate: {exc}") from None
+    sim = parse_section(Simulation, "", own)  # one line naming the key, as every config error
     declared = registry().kinds.get("sections", {})
     theirs = {key: model for key, model in declared.items() if key.split(".")[0] not in Simulation.model_fields}
     return sim, parse_sections(raw, theirs)
