@@ -6,6 +6,7 @@ import os
 import sys
 import time
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
 
 import click
@@ -16,6 +17,7 @@ from skip_core import entries as cache_entries
 from skip_core.console import console
 from skip_core.errors import TRACEBACK_SWITCH, SkipError
 from skip_core.escaping import printable
+from skip_core.progress import progress
 
 
 def _table(*columns: str, **options) -> Table:
@@ -91,13 +93,17 @@ def cache() -> None:
 
 
 def _entries(directory: Path, deep: bool):
-    """``(path, meta, problem)`` of each step directory, ``problem`` a ``CorruptEntry`` or ``None``."""
-    for path in cache_entries.scan(directory):
-        try:
-            meta = cache_entries.verify(path, deep=deep, root=directory)
-            yield path, meta, None
-        except cache_entries.CorruptEntry as exc:
-            yield path, None, exc
+    """``(path, meta, problem)`` of each step directory, ``problem`` a ``CorruptEntry`` or ``None``;
+    hashing them all (``deep``) shows its progress."""
+    paths = list(cache_entries.scan(directory))
+    with progress(len(paths), "verifying", unit="entries") if deep else nullcontext(None) as advance:
+        for path in paths:
+            try:
+                yield path, cache_entries.verify(path, deep=deep, root=directory), None
+            except cache_entries.CorruptEntry as exc:
+                yield path, None, exc
+            if advance is not None:
+                advance()
 
 
 def _entry_table(directory: Path, deep: bool) -> tuple[Table, int]:
