@@ -20,6 +20,12 @@ REFUSALS = [
         r"steps: 17\.\.1000 lie past the last step of skip run with these settings \(16: 16 batches",
     ),
     ("rollout", "a reward file not there", ["+custom_reward_function.path=absent.py"], r"reward\.custom_reward"),
+    (
+        "rollout",
+        "samples longer than the model's positions",
+        ["data.max_response_length=4096"],
+        r"data\.max_response_length: a prompt of up to data\.max_prompt_length=\d+ tokens and its response",
+    ),
     ("run", "a logger not known", ["trainer.logger=[console,carrier_pigeon]"], r"trainer\.logger"),
     (
         "run",
@@ -37,6 +43,12 @@ REFUSALS = [
             "skip.rollout.steps=1..2000",
         ],
         r"resources\.rollout\.workers: 3 workers cannot split the 8 validation prompts",
+    ),
+    (
+        "run",
+        "samples longer than the model's positions",
+        ["data.max_response_length=4096"],
+        r"data\.max_response_length: .* model\.path has 1024 \(max_position_embeddings\)",
     ),
     (
         "run",

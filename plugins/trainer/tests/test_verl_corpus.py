@@ -5,6 +5,7 @@ stops in one line naming a key skip does not implement, as its ``# skip:`` line 
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from pathlib import Path
@@ -50,8 +51,17 @@ def paths(task_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("corpus")
     train = pq.read_table(task_dir / "data" / "train.parquet")
     pq.write_table(pa.concat_tables([train] * (2048 // len(train) + 1)), out / "train.parquet")
+    # The scripts' models have the positions their lengths need (DAPO's 20k-token responses);
+    # the embedded model's RoPE takes any number, so only its config's limit is raised.
+    model = out / "model"
+    model.mkdir()
+    for file in (task_dir / "model").iterdir():
+        (model / file.name).symlink_to(file)
+    config = json.loads((task_dir / "model" / "config.json").read_text())
+    (model / "config.json").unlink()
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 131072}))
     return {
-        "MODEL": str(task_dir / "model"),
+        "MODEL": str(model),
         "TRAIN": str(out / "train.parquet"),
         "VAL": str(task_dir / "data" / "val.parquet"),
         "TOOLS": "pkg://skip_plugin_arithmetic/calculator.yaml",

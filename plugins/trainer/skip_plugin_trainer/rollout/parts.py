@@ -36,8 +36,20 @@ def prepare_task(settings: RolloutSettings) -> None:
 
 
 def load_tokenizer(settings: RolloutSettings) -> Any:
-    from transformers import AutoTokenizer
+    """``model.path``'s tokenizer; first, the model is checked to have the positions a sample
+    needs (an engine would fail on the first long request, mid-run)."""
+    from transformers import AutoConfig, AutoTokenizer
 
+    config = AutoConfig.from_pretrained(settings.model_path(), **settings.model.override_config)
+    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if positions is not None and settings.rollout.model_len > positions:
+        data = settings.data
+        raise ConfigError(
+            f"data.max_response_length: a prompt of up to data.max_prompt_length={data.max_prompt_length} tokens "
+            f"and its response of up to {data.max_response_length} need {settings.rollout.model_len} positions; "
+            f"model.path has {positions} (max_position_embeddings): lower either, set rollout.max_model_len, or "
+            "raise model.override_config.max_position_embeddings"
+        )
     return AutoTokenizer.from_pretrained(settings.model_path())
 
 
