@@ -130,7 +130,7 @@ def test_identical_runs_agree_on_every_phase_and_exit_0(tmp_path):
     assert all(p.largest.diff == 0 and p.beyond == 0 for p in report.phases)
     result = invoke(a, b)
     assert result.exit_code == 0, result.output
-    assert "A and B agree within atol=1e-05, rtol=0.0001 over 5 steps (phases: rollout tokens, " in result.output
+    assert "A and B agree within atol=1e-05, rtol=0.0001 over steps 1..5 (phases: rollout tokens, " in result.output
 
 
 def test_a_perturbed_log_prob_is_found_at_its_step_sample_and_token_and_exits_1(tmp_path):

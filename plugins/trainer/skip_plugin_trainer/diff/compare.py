@@ -155,7 +155,8 @@ class Report:
         if phase is None:
             names = ", ".join(p.name for p in self.phases)
             within = f"atol={self.atol:g}, rtol={self.rtol:g}"
-            return f"A and B agree within {within} over {len(self.steps)} steps (phases: {names})"
+            steps = f"step{'s' * (len(self.steps) > 1)} {step_ranges(self.steps)}"  # 0..4: validation's step 0 too
+            return f"A and B agree within {within} over {steps} (phases: {names})"
         d = phase.first
         if d is None or d.step != phase.first_step:
             step, shapes = phase.shapes[0]
