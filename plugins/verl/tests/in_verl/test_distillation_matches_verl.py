@@ -17,6 +17,7 @@ from skip_plugin_trainer.algorithm_settings import ActorConfig
 from skip_plugin_trainer.algorithms.aggregation import LOSS_AGG_MODES, Totals
 from skip_plugin_trainer.algorithms.contract import LossContext, LossInputs
 from skip_plugin_trainer.algorithms.distillation import DistillationLoss, combined, distillation_loss
+from test_policy_losses_match_verl import batch as policy_loss_batch  # the same tensors' shapes and masks
 from verl.trainer.distillation import losses as verl_distillation
 from verl.utils import tensordict_utils as tu
 from verl.utils.metric import Metric
@@ -35,29 +36,12 @@ VERL_ONLY = {"distillation/loss_min", "distillation/loss_max"}
 
 
 def batch(seed: int) -> dict[str, torch.Tensor]:
-    """Six rows of eight tokens: ragged masks with a gap and an empty row; the teacher's log-probs
-    drawn apart from the student's (divergences past the clamp, k3 past its bound of 10); ratios
-    to the old policy from 0.22 to 4.5, beyond both clip bounds and the dual clip."""
-    generator = torch.Generator().manual_seed(seed)
-    log_prob = torch.empty(6, 8).uniform_(0.05, 0.95, generator=generator).log()
-    teacher = torch.empty(6, 8).uniform_(0.002, 0.95, generator=generator).log()
-    old = log_prob + torch.empty(6, 8).uniform_(-1.5, 1.5, generator=generator)
-    mask = torch.ones(6, 8)
-    mask[1, 5:] = 0
-    mask[2, 2:4] = 0  # a tool response
-    mask[3, 1:] = 0
-    mask[5] = 0  # no loss token at all
-    advantages = torch.randn(6, 1, generator=generator).expand(6, 8).clone()
-    advantages[4] = torch.randn(8, generator=generator)
-    weights = torch.empty(6, 8).uniform_(0.2, 2.0, generator=generator)
-    return {
-        "old": old.clamp(max=-0.01),
-        "log_prob": log_prob,
-        "teacher": teacher,
-        "advantages": advantages * mask,
-        "mask": mask,
-        "weights": weights,
-    }
+    """The policy-loss tests' batch with ratios to the old policy from 0.22 to 4.5 (beyond both
+    clip bounds and the dual clip), and the teacher's log-probs drawn apart from the student's
+    (divergences past the clamp, k3 past its bound of 10)."""
+    data = policy_loss_batch(seed, spread=1.5)
+    generator = torch.Generator().manual_seed(1000 + seed)
+    return {**data, "teacher": torch.empty(6, 8).uniform_(0.002, 0.95, generator=generator).log()}
 
 
 def verl_run(data: dict, mode: str, settings: dict, whole: bool, weighted: bool = False):

@@ -31,12 +31,12 @@ CORRECTIONS = {
 }
 
 
-def batch(seed: int) -> dict[str, torch.Tensor]:
-    """Six rows of eight tokens: ragged masks with a gap and an empty row; ratios from 0.5 to 2,
-    some beyond the clip bounds; advantages of both signs, per row and per token."""
+def batch(seed: int, spread: float = 0.7) -> dict[str, torch.Tensor]:
+    """Six rows of eight tokens: ragged masks with a gap and an empty row; ratios from e^-spread
+    to e^spread (0.5 to 2), some beyond the clip bounds; advantages of both signs, per row and per token."""
     generator = torch.Generator().manual_seed(seed)
     log_prob = torch.empty(6, 8).uniform_(0.05, 0.95, generator=generator).log()
-    old = log_prob + torch.empty(6, 8).uniform_(-0.7, 0.7, generator=generator)
+    old = log_prob + torch.empty(6, 8).uniform_(-spread, spread, generator=generator)
     mask = torch.ones(6, 8)
     mask[1, 5:] = 0
     mask[2, 2:4] = 0  # a tool response
