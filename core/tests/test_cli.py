@@ -6,6 +6,7 @@ import sys
 import time
 
 import pytest
+import skip_core.progress
 from click.testing import CliRunner
 from skip_core.cli import cli
 from skip_core.store import CacheStore
@@ -48,7 +49,8 @@ def test_ls_lists_every_entry(cache, tmp_path):
     assert "exp_proj/GBS4_N1_in8_out16/2" in result.output
 
 
-def test_verify_passes_a_clean_cache_and_fails_a_corrupt_one(cache, tmp_path):
+def test_verify_passes_a_clean_cache_and_fails_a_corrupt_one(cache, tmp_path, monkeypatch):
+    monkeypatch.setattr(skip_core.progress, "EVERY_S", 0.0)  # so that a quick verify shows its progress too
     clean = invoke("cache", "verify", tmp_path)
     assert clean.exit_code == 0
     assert "verifying 3/3 entries" in clean.output  # its progress, in a pipe

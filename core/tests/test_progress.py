@@ -1,7 +1,9 @@
 """Long work's progress: plain lines in a pipe (with the same lines in a log), none with SKIP_QUIET=1."""
 
+import time
+
 import skip_core.progress
-from skip_core.progress import progress
+from skip_core.progress import progress, waiting
 
 
 def test_a_pipe_gets_a_line_every_period_and_one_at_the_end_and_the_log_the_same(monkeypatch, capsys, tmp_path):
@@ -23,4 +25,34 @@ def test_skip_quiet_shows_nothing(monkeypatch, capsys, tmp_path):
     with progress(2, "building", log=tmp_path / "work.log") as advance:
         advance()
         advance()
+    assert capsys.readouterr().out == "" and not (tmp_path / "work.log").exists()
+
+
+def test_a_wait_of_unknown_length_speaks_from_its_own_thread_while_the_caller_blocks(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(skip_core.progress, "EVERY_S", 0.01)
+    log = tmp_path / "work.log"
+    with waiting("starting the engine", log=log):
+        deadline = time.monotonic() + 60
+        while len(capsys.readouterr().out.splitlines()) < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)  # blocked, as a model's load blocks: only the ticker can print
+    with waiting("starting the engine"):
+        pass
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("starting the engine, ") and last.endswith(" s elapsed") and "/" not in last
+    assert log.read_text().count("starting the engine, ") >= 2  # a tick and the closing line
+
+
+def test_skip_quiet_silences_a_wait_too(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(skip_core.progress, "EVERY_S", 0.0)
+    monkeypatch.setenv("SKIP_QUIET", "1")
+    with waiting("starting the engine", log=tmp_path / "work.log"):
+        pass
+    assert capsys.readouterr().out == "" and not (tmp_path / "work.log").exists()
+
+
+def test_work_done_within_the_period_adds_no_line(capsys, tmp_path):
+    with progress(2, "saving the checkpoint", unit="ranks", log=tmp_path / "work.log") as advance:
+        advance(2)
+    with waiting("starting the engine"):
+        pass
     assert capsys.readouterr().out == "" and not (tmp_path / "work.log").exists()

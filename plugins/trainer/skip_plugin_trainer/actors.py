@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import ray
+from skip_core.progress import progress
+
+#: How often a shown wait looks again, so that its plain lines come even while nothing finishes.
+POLL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -33,11 +38,15 @@ class Located:
         return Where(os.getpid(), ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id())
 
 
-def settle(refs: Sequence[Any]) -> list[Any]:
+def settle(refs: Sequence[Any], shown: str | None = None, unit: str = "workers") -> list[Any]:
     """The results of ``refs`` in order, failing as soon as any fails (not after the others,
-    which may wait on the failed one forever)."""
+    which may wait on the failed one forever). With ``shown``, a label (``starting the rollout
+    engines``), the wait shows its progress: a long one (a 7B model's load) is never silent."""
     pending, results = list(refs), {}
-    while pending:
-        (ref,), pending = ray.wait(pending, num_returns=1)
-        results[ref] = ray.get(ref)
+    with progress(len(refs), shown, unit) if shown else nullcontext(lambda count=1: None) as advance:
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=POLL_S if shown else None)
+            for ref in done:
+                results[ref] = ray.get(ref)
+            advance(len(done))
     return [results[ref] for ref in refs]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import skip_core.progress
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -107,6 +108,13 @@ def test_model_and_adamw_round_trip_is_bit_exact(tmp_path, no_unpickling):
     train_step(fresh, fresh_optimizer, 3)
     for original, resumed in zip(model.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(original, resumed)
+
+
+def test_sealing_a_checkpoint_shows_its_progress_in_megabytes_read(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(skip_core.progress, "EVERY_S", 0.0)  # a 7B model's minutes, at this size
+    CheckpointManager(tmp_path).save(1, {"global_step": 1}, capture_rng(), one_shard({"w": torch.zeros(3 << 18)}))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("sealing the checkpoint")]
+    assert lines and lines[-1].startswith("sealing the checkpoint 3/3 MB, ")
 
 
 def test_a_model_saved_before_its_first_step_resumes_with_a_fresh_optimizer(tmp_path, no_unpickling):

@@ -3,6 +3,7 @@
 import re
 
 import pytest
+import skip_core.progress
 from click.testing import CliRunner
 from skip_core.cli import cli
 from skip_core.entries import verify
@@ -26,7 +27,8 @@ def task_dir(tiny_model_dir):
     return tiny_model_dir.parent
 
 
-def test_second_run_loads_the_cached_generation(task_dir, tmp_path):
+def test_second_run_loads_the_cached_generation(task_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(skip_core.progress, "EVERY_S", 0.0)  # so that a quick generation shows its progress too
     cached = [f"task.dir={task_dir}", "skip.rollout.enable=true", f"skip.rollout.dump_dir={tmp_path}"]
     first = rollout(*cached)
     assert first.exit_code == 0, first.output

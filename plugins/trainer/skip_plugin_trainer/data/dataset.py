@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 from skip_core.config import ConfigError
+from skip_core.progress import progress
 
 from skip_plugin_trainer.data.chat import ChatFormat
 from skip_plugin_trainer.data.custom import custom_rows
@@ -26,9 +27,6 @@ from skip_plugin_trainer.run_sections import DataConfig
 
 logger = logging.getLogger(__name__)
 
-# Tokenizing is the slow part of construction; below this many rows it takes a few seconds at most.
-PROGRESS_ROWS = 10_000
-
 
 class RLDataset(torch.utils.data.Dataset):
     """Prompts of one split, tokenized and length-checked up front.
@@ -36,8 +34,8 @@ class RLDataset(torch.utils.data.Dataset):
     ``tools_schemas`` maps tool names to OpenAI function schemas; a row's prompt is rendered
     with the schemas of the tools its ``extra_info.tools_kwargs`` names, in that order (as the
     agent loop does). ``None`` renders no tools. ``files_key`` names the config key the files
-    came from in error messages (``data.val_files`` for a validation set). ``progress`` shows a
-    progress bar while tokenizing; by default only for more than ``PROGRESS_ROWS`` rows.
+    came from in error messages (``data.val_files`` for a validation set). Tokenizing, the slow
+    part (minutes for a million rows), shows its progress.
 
     ``dropped`` counts the prompts filtered out for length (also logged at INFO).
     """
@@ -50,7 +48,6 @@ class RLDataset(torch.utils.data.Dataset):
         tools_schemas: Mapping[str, Mapping[str, Any]] | None = None,
         *,
         files_key: str = "data.train_files",
-        progress: bool | None = None,
     ) -> None:
         self.config = config
         self.tools_schemas = tools_schemas
@@ -62,16 +59,14 @@ class RLDataset(torch.utils.data.Dataset):
             rows = custom_rows(files, tokenizer, config, files_key)
         if not rows:
             raise ConfigError(f"{files_key}: the files hold no rows")
-        if len(rows) > PROGRESS_ROWS if progress is None else progress:
-            from rich.progress import track
-
-            rows = track(rows, description="Tokenizing prompts", total=len(rows))
         wheres, records, prompts = [], [], []
-        for number, (where, row) in enumerate(rows):
-            record, ids = self._prepare(where, row, number)
-            wheres.append(where)
-            records.append(record)
-            prompts.append(ids)
+        with progress(len(rows), f"tokenizing {files_key}", "rows") as advance:
+            for number, (where, row) in enumerate(rows):
+                record, ids = self._prepare(where, row, number)
+                wheres.append(where)
+                records.append(record)
+                prompts.append(ids)
+                advance()
         self._keep(wheres, records, prompts)
 
     def __len__(self) -> int:

@@ -31,7 +31,7 @@ from skip_core.batch import Batch
 from skip_core.manager import SkipManager
 from skip_core.schedule import GLOBAL_STEPS, INDEX_BASE, VALIDATE
 
-from skip_plugin_trainer.actors import Where
+from skip_plugin_trainer.actors import Where, settle
 from skip_plugin_trainer.rollout.group_sync import GroupSync
 from skip_plugin_trainer.rollout.padding import ROLLOUT_LAYOUT
 from skip_plugin_trainer.rollout.stats import merge_rollout_stats
@@ -108,7 +108,7 @@ class RolloutGroup:
             )
             with spans.span("engine_start"):
                 workers = self._spawn()
-                ray.get([worker.__ray_ready__.remote() for worker in workers])
+                settle([worker.__ray_ready__.remote() for worker in workers], "starting the rollout engines", "engines")
                 with self._giving:
                     self._use(workers)
                     self._push(range(len(workers)), False, "while it was given the weights")

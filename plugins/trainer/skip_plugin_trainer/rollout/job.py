@@ -20,7 +20,7 @@ from skip_core import spans, writing
 from skip_core.batch import Batch
 from skip_core.config import ConfigError, StepSet
 from skip_core.manager import SkipManager
-from skip_core.progress import progress
+from skip_core.progress import progress, waiting
 from skip_core.schedule import GLOBAL_STEPS, INDEX_BASE
 from skip_core.store import CacheStore
 
@@ -86,7 +86,8 @@ def run(config: Any, console: Console) -> Totals:
     output = CacheStore(settings.output_dir, settings.namespace, "rollout") if settings.output_dir else None
     if output is not None:  # after every check: a rollout that fails one writes nothing there
         output.hold("skip rollout")
-    loop = parts.agent_loop(settings, tokenizer)
+    with waiting(f"starting the {settings.backend} engine"):
+        loop = parts.agent_loop(settings, tokenizer)
     totals = Totals()
     start = time.perf_counter()
     samples = len(settings.steps) * settings.generation_batch_size * settings.rollout.n

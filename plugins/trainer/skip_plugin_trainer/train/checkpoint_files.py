@@ -37,6 +37,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 from skip_core import encoding, entries, files, reading, writing
+from skip_core.progress import progress
 
 from skip_plugin_trainer.train.shards import describe
 
@@ -103,11 +104,18 @@ def write(
     # Serialized here and written by Python: a full disk reads as the OSError it is, not as safetensors' text.
     writing.write_bytes(directory, TENSORS, save(encoding.storable(tensors), metadata={"format": "pt"}))
     listed = sorted(path.relative_to(directory).as_posix() for path in directory.rglob("*") if path.is_file())
+    sealed = {}
+    # Hashing a 7B model's shards and optimizer state reads tens of GB: shown, in MB read.
+    megabytes = sum((directory / name).stat().st_size >> 20 for name in listed)
+    with progress(megabytes, "sealing the checkpoint", "MB") as read:
+        for name in listed:
+            sealed[name] = _sealed(directory, name)
+            read(sealed[name]["bytes"] >> 20)
     manifest = {
         "format": FORMAT,
         "version": VERSION,
         "step": step,
-        "files": {name: _sealed(directory, name) for name in listed},
+        "files": sealed,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     writing.write_bytes(directory, MANIFEST, json.dumps(manifest, indent=1).encode())

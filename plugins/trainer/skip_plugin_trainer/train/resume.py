@@ -16,6 +16,7 @@ A run holds its directory for its whole life (``claimed``), so that two runs nev
 from __future__ import annotations
 
 import contextlib
+import itertools
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -99,7 +100,10 @@ def shard_writer(actor: ModelGroup, critic: ModelGroup | None) -> Callable[[Path
 
     def write(directory: Path) -> dict[str, Any]:
         refs = {name: m.submit("save_shards", str(directory / name)) for name, m in models.items() if m}
-        return {name: settle(ranks)[0] for name, ranks in refs.items()}
+        answers = settle([ref for ranks in refs.values() for ref in ranks], "saving the checkpoint", "ranks")
+        # One wait for both models' ranks; each model's rank 0 answers how to read its shards back.
+        firsts = itertools.accumulate([0, *map(len, refs.values())])
+        return {name: answers[first] for name, first in zip(refs, firsts, strict=False)}
 
     return write
 

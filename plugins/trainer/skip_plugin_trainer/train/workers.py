@@ -21,6 +21,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from skip_core.config import ConfigError
 
+from skip_plugin_trainer.actors import settle
 from skip_plugin_trainer.rollout.group import RolloutGroup
 from skip_plugin_trainer.rollout.group_sync import GroupSync
 from skip_plugin_trainer.rollout.worker import RolloutWorker
@@ -108,7 +109,7 @@ class Cluster:
             workers = actor.spawn(Critic, path, critic, each=actor.ranks(), **ranks, **common)
             self.critic = ModelGroup(workers, critic.ppo_mini_batch_size * settings.rollout.n)
         # Both pools load their models side by side; the first step's timing is then the step's.
-        ray.get([worker.__ray_ready__.remote() for pool in self.pools for worker in pool.actors])
+        settle([worker.__ray_ready__.remote() for pool in self.pools for worker in pool.actors], "starting the workers")
         self.weights = WeightSource(self.actor, settings.rollout.update_weights_bucket_megabytes, keep=overlapped)
         named = [("actor", self.actor), ("critic", self.critic)]
         self._where = {
