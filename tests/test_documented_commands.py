@@ -1,7 +1,10 @@
-"""Every ``skip`` command the READMEs and the docs show in a code block, run in its dry form:
-``skip run`` and ``skip rollout`` under ``--check``, ``skip simulate`` under ``--check``, and the
-commands that read directories (``diff``, ``profile``, ``cache``) parsed by their own parser,
-with the directories they name in place. An example that stops working fails here."""
+"""Every ``skip`` command the READMEs and the docs show, in a code block or inline in the prose,
+run in its dry form: ``skip run`` and ``skip rollout`` under ``--check``, ``skip simulate`` under
+``--check``, and the commands that read directories (``diff``, ``profile``, ``cache``) parsed by
+their own parser, with the directories they name in place. An example that stops working fails
+here. An inline command that only names a command (``skip profile report``) or shows its form
+with placeholders (``skip profile trace DIR [-o FILE]``, ``skip run ...``) must name one that
+exists."""
 
 from __future__ import annotations
 
@@ -37,7 +40,26 @@ def documented() -> list[tuple[str, str]]:
     return found
 
 
+def inline() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """``(page, command)`` for each inline ``skip`` command in the prose: those complete enough to
+    run, and those that only name a command or show its form."""
+    runnable, named = [], []
+    for page in PAGES:
+        prose = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for span in re.findall(r"`((?:\.venv/bin/)?skip [^`]*)`", prose):
+            command = " ".join(span.split())
+            words = command.split()[1:]
+            # ``...``, ``<yours>``, ``[--step K]``, ``report|trace``, ``steps=a..b``, ``rollout.backend=B``
+            placeholder = re.search(r"\.\.\.|<|\[|\||\ba\.\.b\b|=[A-Z]+\b(?!/)", command) or command in MENTIONS
+            bare = all(re.fullmatch(r"[a-z][a-z-]*", word) for word in words)  # ``skip cache verify``
+            (named if placeholder or bare else runnable).append((page.relative_to(ROOT).as_posix(), command))
+    return list(dict.fromkeys(runnable)), list(dict.fromkeys(named))
+
+
+# Inline commands that show an option in a heading, not a command to run.
+MENTIONS = {"skip cache import-verl --trust-pickle"}
 COMMANDS = documented()
+INLINE, NAMED = inline()
 
 
 def test_the_docs_show_commands_of_every_kind():
@@ -47,9 +69,24 @@ def test_the_docs_show_commands_of_every_kind():
     assert {"run", "simulate", "diff", "profile", "cache", "plugins"} <= kinds
 
 
-@pytest.mark.parametrize(("page", "command"), COMMANDS, ids=[f"{p}: {c}" for p, c in COMMANDS])
+def test_the_prose_shows_commands_to_run_and_names_commands():
+    assert len(INLINE) >= 10 and len(NAMED) >= 50
+
+
+@pytest.mark.parametrize(("page", "command"), NAMED, ids=[f"{p}: {c}" for p, c in NAMED])
+def test_a_command_the_prose_names_exists(page, command):
+    group, context = cli, cli.make_context("skip", ["plugins"])
+    for word in command.split()[1:]:
+        if not re.fullmatch(r"[a-z][a-z-]*", word) or not hasattr(group, "get_command"):
+            break
+        group = group.get_command(context, word)
+        assert group is not None, f"{page}: {command}: skip has no command {word!r}"
+
+
+@pytest.mark.parametrize(("page", "command"), COMMANDS + INLINE, ids=[f"{p}: {c}" for p, c in COMMANDS + INLINE])
 def test_a_documented_command_works_in_its_dry_form(page, command, task_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").symlink_to(ROOT / "configs")  # the experiment config the docs start from
     monkeypatch.setenv("WANDB_MODE", "disabled")
     words = shlex.split(command)
     args = words[words.index("skip") + 1 :]  # without VAR=value prefixes and the venv's path
