@@ -9,10 +9,12 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from skip_core import writing
 from skip_core.console import console
 
 EVERY_S = 10.0
@@ -107,5 +109,9 @@ class _Lines:
         if self.echo:
             console.print(line, markup=False, highlight=False)
         if self.log is not None:
-            with open(self.log, "a", encoding="utf-8") as file:
-                file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+            try:  # never through a link, as every log of the project
+                with writing.appending(self.log.parent, self.log.name) as file:
+                    file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n".encode())
+            except OSError as exc:  # a progress log is no reason to stop the work it follows
+                warnings.warn(f"cannot append to the progress log {self.log}: {exc}", RuntimeWarning, stacklevel=2)
+                self.log = None

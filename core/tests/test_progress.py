@@ -2,6 +2,7 @@
 
 import time
 
+import pytest
 import skip_core.progress
 from skip_core.progress import progress, waiting
 
@@ -56,3 +57,14 @@ def test_work_done_within_the_period_adds_no_line(capsys, tmp_path):
     with waiting("starting the engine"):
         pass
     assert capsys.readouterr().out == "" and not (tmp_path / "work.log").exists()
+
+
+def test_a_log_that_is_a_link_is_refused_with_a_warning_and_the_work_goes_on(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(skip_core.progress, "EVERY_S", 0.0)
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("")
+    (tmp_path / "work.log").symlink_to(target)
+    refused = pytest.warns(RuntimeWarning, match="cannot append to the progress log")
+    with refused, progress(2, "building", log=tmp_path / "work.log") as advance:
+        advance(2)
+    assert target.read_text() == "" and capsys.readouterr().out.count("building 2/2 steps") == 2
