@@ -39,6 +39,8 @@ from skip_plugin_trainer.train.policy import Policy
 from transformers import AutoTokenizer
 from weight_sender import WeightSender, layouts
 
+pytestmark = pytest.mark.integration  # the engines' contract: vLLM and SGLang engines on CPU
+
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=48)
 SIGQUIT = signal.getsignal(signal.SIGQUIT)  # before any engine: SGLang's sets its own
 

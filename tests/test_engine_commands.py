@@ -13,6 +13,8 @@ from skip_core.entries import verify
 from skiptests import CONFIGS, SMALL
 from training import metrics, train
 
+pytestmark = pytest.mark.integration  # skip rollout and skip run on vLLM and SGLang engines
+
 # The batch sizes of configs/run.yaml, over the small run's 4 prompts x 2 samples.
 DEFAULT_BATCH = (
     "data.train_batch_size=16",

@@ -16,6 +16,8 @@ from skip_core.cli import cli
 from skiptests import CONFIGS
 from training import metrics, overrides, train
 
+pytestmark = pytest.mark.integration  # workers and nodes lost mid-run
+
 RUN = ("trainer.total_training_steps=2", "trainer.test_freq=0")
 SCHEDULES = {
     "sync": ("trainer.schedule=sync",),

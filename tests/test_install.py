@@ -20,7 +20,7 @@ import pytest
 from skiptests import ROOT
 from training import SMALL
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 DISTRIBUTIONS = ("core", "plugins/trainer", "plugins/arithmetic", "plugins/hf")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import copier
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "plugin_template"
 

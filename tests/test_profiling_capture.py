@@ -192,7 +192,6 @@ def child(tmp_path: Path, interval: float, count: int) -> subprocess.Popen:
 
 
 @pytest.mark.loaded
-@pytest.mark.slow
 def test_an_exception_loses_no_span(tmp_path):
     process = child(tmp_path, interval=5.0, count=2000)  # no periodic flush before the end
     _, stderr = process.communicate(timeout=120)
@@ -229,7 +228,6 @@ def written(path: Path) -> list[int]:
 
 
 @pytest.mark.loaded
-@pytest.mark.slow
 def test_sigkill_loses_only_the_spans_since_the_last_flush(tmp_path):
     """The flush thread writes on its own while the process records nothing (no exit, no close);
     a SIGKILL then loses none of what it wrote: only spans ended since its last flush can be
@@ -352,7 +350,6 @@ def test_tool_calls_and_tool_rewards_nest_in_their_turns_and_requests(tiny_model
     assert all(row["extra"]["tokens_out"] > 0 and row["extra"]["tokens_in"] > 0 for row in generate)
 
 
-@pytest.mark.slow  # a real rollout of the embedded default, then the report
 def test_report_of_a_real_rollout(tiny_model_dir, tmp_path):
     args = [
         "rollout", "--config-dir", str(CONFIGS), *SMALL, f"task.dir={tiny_model_dir.parent}",

@@ -28,6 +28,8 @@ from skip_plugin_trainer.train.tracking import Tracking
 from skiptests import CONFIGS
 from training import fingerprints, held_command, metrics, overrides, train
 
+pytestmark = pytest.mark.integration  # runs killed and resumed
+
 # What each schedule caches (a batch per trainer step, or one entry per streamed sample, by feed
 # index), the step whose lookup the killed run never gets past, and its last checkpoint then.
 # Validation (every 2 steps) waits for the generations in flight unless they may be paused.

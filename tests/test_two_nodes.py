@@ -24,6 +24,8 @@ import pytest
 from ray_nodes import another_node, lose, namespaces_refused, node_env, two_nodes
 from training import metrics, overrides
 
+pytestmark = pytest.mark.integration  # a two-node Ray cluster on this machine
+
 SKIP = Path(sys.executable).parent / "skip"
 PLACED = ("resources.rollout.ray_resources={node_b:1}", "resources.actor.ray_resources={node_a:1}")
 

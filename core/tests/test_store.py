@@ -243,7 +243,6 @@ def _entry_after_sigkill(store: CacheStore, expected: list[Batch]) -> int | None
 
 
 @pytest.mark.loaded
-@pytest.mark.slow
 def test_sigkill_at_every_durable_step_of_a_dump_leaves_the_old_entry_the_new_one_or_none(tmp_path):
     """A first dump and then its replacement, killed before each fsync and rename in turn: the
     entry is always absent or complete, the first dump's until the replacement lands, never back."""
@@ -271,7 +270,6 @@ def test_sigkill_at_every_durable_step_of_a_dump_leaves_the_old_entry_the_new_on
 
 
 @pytest.mark.loaded
-@pytest.mark.slow
 def test_sigkill_at_a_random_instant_never_leaves_a_loadable_partial_entry(tmp_path):
     """Kills wherever they land, mid-write included; which instants they hit does not matter."""
     ctx = multiprocessing.get_context("fork")
@@ -299,7 +297,6 @@ def _dump_n_times(root: str, seed: int, start) -> None:
 
 
 @pytest.mark.loaded
-@pytest.mark.slow
 def test_concurrent_dumps_from_processes_end_with_one_complete_entry(tmp_path):
     ctx = multiprocessing.get_context("fork")
     start = ctx.Event()

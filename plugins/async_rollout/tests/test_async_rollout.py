@@ -102,7 +102,6 @@ def test_trainer_step_does_not_drive_the_async_role(tmp_path):
     assert list(scan(tmp_path)) == []
 
 
-@pytest.mark.slow
 def test_a_thousand_concurrent_samples_each_resolve_load_and_dump_their_own_step(tmp_path, held_dumps, lookup_begun):
     count, held_sample = 1000, 8
     eligible = set(range(0, count, 2))

@@ -477,7 +477,6 @@ def test_reads_one_file_and_validation_steps(tmp_path):
     assert len(one) == 4 and one.steps() == [2]
 
 
-@pytest.mark.slow  # renders eight figures twice
 def test_report_writes_every_figure_and_the_findings(run, slow_tool, tmp_path):
     index = write_report(run, tmp_path / "report", top=3)
     for name in FIGURES:
@@ -552,7 +551,6 @@ def invoke(*args):
     return CliRunner().invoke(profile, [str(a) for a in args], catch_exceptions=False)
 
 
-@pytest.mark.slow  # renders the report
 def test_cli_report_and_trace(run, tmp_path):
     result = invoke("report", run.root, "--out", tmp_path / "r", "--step", 7, "--top", 2, "--max-response-length", 50)
     assert result.exit_code == 0, result.output

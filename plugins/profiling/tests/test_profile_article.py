@@ -177,7 +177,6 @@ def test_requests_start_when_they_began_and_complete_with_their_marker(article):
     assert [r["turn"] for r in result.turns.by_turn.to_pylist() if r["step"] == 1] == [1, 2]
 
 
-@pytest.mark.slow  # renders the report
 def test_report_md_names_them(article, tmp_path):
     logs, result, _ = article
     write_report(logs, tmp_path, analysis=result)

@@ -133,7 +133,6 @@ def test_findings_use_units_that_fit_and_shares_that_add_up(own):
     assert sum(result.shares.table["mean_share"].to_pylist()) == pytest.approx(1.0)
 
 
-@pytest.mark.slow  # renders the report
 def test_report_md_of_one_worker(own, tmp_path):
     logs, result, _ = own
     write_report(logs, tmp_path, analysis=result)

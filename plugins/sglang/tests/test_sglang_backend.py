@@ -16,6 +16,8 @@ from skip_core.sections import Sections, parse_sections
 from skip_plugin_sglang.options import CPU_KV_TOKENS, SGLangOptions
 from skiptests import CONFIGS, SMALL
 
+pytestmark = pytest.mark.integration  # an SGLang engine on CPU
+
 CUDA = torch.cuda.is_available()
 
 

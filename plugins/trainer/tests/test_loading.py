@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration  # two FSDP ranks loading their shards
+
 PROBE = Path(__file__).with_name("loading_probe.py")
 QWEN2_05B = {
     "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
@@ -57,7 +59,6 @@ def test_two_ranks_load_the_critic_and_a_lora_policy_as_one_rank_does(tiny_model
     assert ranks[0]["differing"] == []
 
 
-@pytest.mark.slow
 def test_a_ranks_peak_while_loading_is_about_its_shards(tmp_path):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM

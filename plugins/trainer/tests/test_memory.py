@@ -91,7 +91,7 @@ def test_check_prints_the_estimate_per_rank(task_dir):
     assert yaml.safe_load(result.output)["actor"]["fsdp_config"]["dtype"] == "bfloat16"  # still one YAML document
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("shape", "rows", "dtype", "checkpointing"),
     [

@@ -87,6 +87,7 @@ def probe(overrides: dict) -> dict:
     return json.loads(line.removeprefix("placed: "))
 
 
+@pytest.mark.integration  # a Ray that declares 8 GPUs, in a process of its own
 def test_colocated_on_eight_gpus_each_rank_has_its_gpu_and_shares_it_with_its_engine_and_critic_rank():
     overrides = {**GPU, "resources.colocate": True, "resources.actor.workers": 8, "resources.rollout.workers": 8}
     placed = probe({**overrides, "algorithm.adv_estimator": "gae"})
@@ -96,6 +97,7 @@ def test_colocated_on_eight_gpus_each_rank_has_its_gpu_and_shares_it_with_its_en
     assert {worker["rank"]: worker["gpus"] for worker in placed["critic"]} == ranks
 
 
+@pytest.mark.integration  # a Ray that declares 8 GPUs, in a process of its own
 def test_colocated_engines_of_two_gpus_get_their_ranks_gpus():
     overrides = {**GPU, "resources.colocate": True, "resources.actor.workers": 8, "resources.rollout.workers": 4}
     overrides |= {"rollout.backend": "vllm", "rollout.engine_kwargs.vllm.tensor_parallel_size": 2}

@@ -154,7 +154,7 @@ def test_a_run_directory_that_cannot_be_written_names_the_key_the_path_and_the_r
     )
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_run_directory_on_a_read_only_file_system_is_one_line(task_dir, tmp_path):
     if reason := namespaces_refused():
         pytest.skip(reason)
@@ -194,7 +194,7 @@ def test_the_shipped_steps_of_every_step_warn_of_nothing(task_dir, tmp_path):
     assert trainer_warnings(task_dir, tmp_path, "trainer.total_training_steps=null") == []  # by epochs
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_full_disk_stops_the_run_with_one_line_naming_the_checkpoint_and_the_last_good_one(task_dir, tmp_path):
     """A real full disk: the run directory is a tmpfs with room for one checkpoint of the small
     run, about three times its model (the weights and AdamW's two moments), and not for two."""

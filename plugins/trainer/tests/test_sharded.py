@@ -13,6 +13,8 @@ from skip_plugin_trainer.diff.compare import compare
 from skip_plugin_trainer.train.train_data import read_train_data
 from training import metrics, train
 
+pytestmark = pytest.mark.integration  # runs of two FSDP ranks
+
 TOLERANCE = {"atol": 1e-5, "rtol": 1e-4}  # docs/gpus.md's
 BF16_ATOL = 0.1  # docs/gpus.md's, for a log-prob computed in bfloat16 against float32
 KL = ("actor.use_kl_loss=true", "actor.entropy_coeff=0.01")  # the reference model is sharded too

@@ -29,7 +29,7 @@ import pytest
 import tomllib
 from skiptests import ROOT
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 IN_VERL = Path(__file__).resolve().parent / "in_verl"
 VERL = "verl==0.9.1"

@@ -11,6 +11,8 @@ from skip_core.plugins import registry
 from skip_core.sections import Sections, parse_sections
 from skip_plugin_vllm.options import VLLMOptions
 
+pytestmark = pytest.mark.integration  # a vLLM engine on CPU
+
 
 @pytest.mark.parametrize(
     ("engine", "message"),
