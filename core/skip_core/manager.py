@@ -23,16 +23,15 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
-from skip_core import spans
 from skip_core.caching import SetupMismatchWarning
 from skip_core.config import ConfigError, Namespace, RoleConfig, StepSet, select
 from skip_core.dumps import Dumps
-from skip_core.entries import CorruptEntry
 from skip_core.errors import SkipError
 from skip_core.files import DirectoryInUse
 from skip_core.layout import Layout
 from skip_core.plugins import pm, registry
 from skip_core.provenance import Setup
+from skip_core.replay import replay
 from skip_core.roles import Call, Role, prompts_of, prompts_position
 from skip_core.schedule import GREEDY, VALIDATE
 from skip_core.sections import parse_roles
@@ -130,31 +129,7 @@ class _Slot:
     def replace(self, plan: tuple[int, Call, CacheStore]) -> Any:
         """The result of a replaced call, or ``_MISS`` to run the function."""
         step, call, store = plan
-        hooks = pm.hook
-        with spans.span("skip_lookup", role=self.name) as span:
-            hit = hooks.skip_precondition(role=self.role, config=self.config, store=store, step=step, call=call)
-            span.set(cache="miss" if hit is None else "hit")
-        if hit is None:
-            return _MISS
-        try:
-            with spans.span("skip_load", role=self.name, source_step=hit.step):
-                result = hooks.skip_warp(role=self.role, config=self.config, store=store, hit=hit, call=call)
-        except CorruptEntry as exc:
-            where = exc.path or getattr(hit.source, "path", hit.source)
-            warnings.warn(
-                f"skip.{self.name} step {step}: ignoring cache entry {where}: {exc}; running it instead",
-                CacheWarning,
-                stacklevel=2,
-            )
-            return _MISS
-        except Exception as exc:
-            warnings.warn(
-                f"skip.{self.name} step {step}: replacing the call from step {hit.step} failed ({exc!r}); "
-                "running it instead",
-                CacheWarning,
-                stacklevel=2,
-            )
-            return _MISS
+        result = replay(self.role, self.config, store, step, call)
         return _MISS if result is None else result
 
     def dump(self, plan: tuple[int, Call, CacheStore], result: Any) -> None:

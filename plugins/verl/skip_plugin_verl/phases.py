@@ -39,8 +39,8 @@ import numpy as np
 from skip_core import Role, SkipManager, spans
 from skip_core.batch import Batch
 from skip_core.entries import CorruptEntry
-from skip_core.plugins import pm
-from skip_core.roles import Call
+from skip_core.replay import load, look_up
+from skip_core.roles import Call, Hit
 from skip_core.store import CacheStore, CacheWarning
 
 from skip_plugin_verl import served
@@ -262,26 +262,15 @@ def _serve(
 
 def _lookup(step: int, index: int, parts: int, role: Role, config: Any, store: CacheStore, call: Call) -> Batch | None:
     """The loaded entry that replaces call ``index`` of this step, or ``None`` to compute it."""
-    with spans.span("skip_lookup", role=role.name, generation=index) as span:
-        generation = store.generation(index)
-        hit = pm.hook.skip_precondition(role=role, config=config, store=generation, step=step, call=call)
-        if hit is not None and index == 0 and any(store.generation(i).entry(hit.step) is None for i in range(1, parts)):
-            # The first call replays only with every call of the step cached: separate_async's
-            # old log-probs of later calls need the weights the first call saves when it runs.
-            hit = None
-        span.set(cache="hit" if hit is not None else "miss")
-    if hit is None:
-        return None
-    try:
-        with spans.span("skip_load", role=role.name, source_step=hit.step):
-            return generation.load(hit.source)
-    except CorruptEntry as exc:
-        warnings.warn(
-            f"skip.{role.name} step {step}: ignoring cache entry {exc.path or hit.source.path}: {exc}; computing it",
-            CacheWarning,
-            stacklevel=4,
-        )
-        return None
+    generation = store.generation(index)
+
+    def every_call(hit: Hit) -> bool:
+        # The first call replays only with every call of the step cached: separate_async's old
+        # log-probs of later calls need the weights the first call saves when it runs.
+        return index > 0 or all(store.generation(i).entry(hit.step) is not None for i in range(1, parts))
+
+    hit = look_up(role, config, generation, step, call, every_call, generation=index)
+    return None if hit is None else load(role, config, generation, step, hit, call, "computing it")
 
 
 def _match(entry: Batch, digests: list[str | None], sizes: list[list[int]], leftovers: bool) -> list[int] | None:

@@ -30,8 +30,8 @@ import numpy as np
 from skip_core import Role, SkipManager, spans
 from skip_core.batch import Batch
 from skip_core.entries import CorruptEntry
-from skip_core.plugins import pm
-from skip_core.roles import Call
+from skip_core.replay import load, look_up
+from skip_core.roles import Call, Hit
 from skip_core.store import CacheStore, CacheWarning
 
 from skip_plugin_verl import served
@@ -126,29 +126,21 @@ def _submit(trainer: Any, step: int, role: Role, config: Any, store: CacheStore)
 
 def _lookup(step: int, role: Role, config: Any, store: CacheStore, call: Call) -> list[Batch] | None:
     """The P loaded parts of the entry that replaces this step, or ``None`` to generate."""
-    with spans.span("skip_lookup", role=role.name) as span:
-        hit = pm.hook.skip_precondition(role=role, config=config, store=store, step=step, call=call)
-        entries = [hit.source] if hit is not None else []
-        for index in range(1, _run.parts if hit is not None else 0):
-            entry = store.generation(index).entry(hit.step)
-            if entry is None or entry.fingerprint != hit.source.fingerprint:
-                entries = []  # an entry is all its parts, from one run
-                break
-            entries.append(entry)
-        span.set(cache="hit" if entries else "miss")
-    if not entries:
+    entries: list[Any] = []
+
+    def every_part(hit: Hit) -> bool:
+        """An entry is all its parts, from one run."""
+        entries[:] = [hit.source, *(store.generation(i).entry(hit.step) for i in range(1, _run.parts))]
+        return all(entry is not None and entry.fingerprint == hit.source.fingerprint for entry in entries)
+
+    hit = look_up(role, config, store, step, call, every_part)
+    if hit is None:
         return None
-    try:
-        with spans.span("skip_load", role=role.name, source_step=hit.step):
-            return [store.generation(i).load(entry) for i, entry in enumerate(entries)]
-    except CorruptEntry as exc:
-        where = exc.path or hit.source.path
-        warnings.warn(
-            f"skip.{role.name} step {step}: ignoring cache entry {where}: {exc}; generating it instead",
-            CacheWarning,
-            stacklevel=4,
-        )
-        return None
+    parts = [
+        load(role, config, store.generation(i), step, Hit(hit.step, entry), call, "generating it")
+        for i, entry in enumerate(entries)
+    ]
+    return None if any(part is None for part in parts) else parts
 
 
 def _injections(step: int, parts: list[Batch], uids: list[str], digests: list[str | None]) -> list[list[tuple]]:

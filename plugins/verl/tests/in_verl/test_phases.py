@@ -10,11 +10,13 @@ its own response, so a cached output written to another row changes them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import random
 import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,8 +26,10 @@ import torch
 import transfer_queue as tq
 import v1
 from omegaconf import open_dict
+from skip_core import hookimpl
 from skip_core.batch import Batch
 from skip_core.caching import PromptMismatchError, PromptMismatchWarning
+from skip_core.plugins import pm
 from skip_core.store import CacheStore, CacheWarning
 from skip_plugin_verl import phases
 from tensordict import TensorDict
@@ -209,6 +213,43 @@ def test_every_phase_is_replayed_in_verls_fit_loop_without_a_worker_call(tmp_pat
     assert again.agent_loop.prompts == 0
     assert again.metrics == first.metrics
     assert again.workers.trained == first.workers.trained
+
+
+class Warps:
+    """A third-party plugin's ``skip_warp``, first in line: it records each replacement and
+    answers nothing (core's own warp then loads the entry), or fails when told to."""
+
+    def __init__(self, failing: str | None = None) -> None:
+        self.seen: list[tuple[str, int]] = []
+        self.failing = failing
+
+    @hookimpl(tryfirst=True)
+    def skip_warp(self, role, hit):
+        self.seen.append((role.name, hit.step))
+        if role.name == self.failing:
+            raise RuntimeError("the plugin's own store is down")
+
+
+@contextlib.contextmanager
+def registered(plugin: Warps) -> Iterator[Warps]:
+    pm.register(plugin)
+    try:
+        yield plugin
+    finally:
+        pm.unregister(plugin)
+
+
+def test_a_warp_plugin_replaces_every_phase_of_verls_fit_and_a_failing_one_has_it_computed(tmp_path, monkeypatch):
+    first = fit(config(tmp_path), monkeypatch)
+    with registered(Warps()) as warps:
+        again = fit(config(tmp_path), monkeypatch)
+    assert sorted(set(warps.seen)) == sorted((role, step) for role in (*ROLES, "rollout_tq") for step in STEPS)
+    assert again.metrics == first.metrics
+
+    failed = r"skip\.reward step 1: replacing the call from step 1 failed .*store is down"
+    with registered(Warps(failing="reward")), pytest.warns(CacheWarning, match=failed):
+        third = fit(config(tmp_path), monkeypatch)
+    assert third.workers.calls == {"compute_rm_score": 3, "train_mini_batch": 3, "update_actor": 3}
 
 
 def test_each_row_gets_the_outputs_of_its_own_input_whatever_the_order(tmp_path, monkeypatch):
