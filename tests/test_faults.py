@@ -3,13 +3,13 @@ current weights, and its part generated again with the same seeds, so the run en
 metrics of an uninterrupted one; the actor killed stops the run with one line that says what
 died and the command that resumes from the newest checkpoint."""
 
+import contextlib
 import os
 import re
 import signal
-import subprocess
 import threading
-import time
 
+import psutil
 import pytest
 from click.testing import CliRunner
 from skip_core.cli import cli
@@ -94,16 +94,21 @@ def test_the_actor_killed_stops_the_run_with_one_line_naming_it_and_how_to_resum
     run_3 += (f"resources.actor.workers={workers}",)
     args = ["run", "--config-dir", str(CONFIGS), *overrides(task_dir, tmp_path, *run_3)]
 
+    ended, killed = threading.Event(), []
+
     def kill_the_actor_after_its_first_checkpoint():
         while not (run / "global_step_1" / "manifest.json").exists():
-            time.sleep(0.05)
-        found = subprocess.run(["pgrep", "-f", "ray::Policy"], capture_output=True, text=True, check=False)
-        os.kill(int(found.stdout.split()[-1]), signal.SIGKILL)  # one rank (the only one, unsharded)
+            if ended.wait(0.05):  # the run stopped before its first checkpoint: nothing to kill
+                return
+        killed.append(policy_ranks()[0])  # one rank (the only one, unsharded)
+        os.kill(killed[0], signal.SIGKILL)
 
     killer = threading.Thread(target=kill_the_actor_after_its_first_checkpoint, daemon=True)
     killer.start()
     result = CliRunner().invoke(cli, args)
-    killer.join(timeout=60)
+    ended.set()
+    killer.join()
+    assert killed, result.output
     assert result.exit_code == 1 and "Traceback" not in result.output
     (line,) = [line for line in result.output.splitlines() if line.startswith("Error:")]
     rank = " of rank [01]" if workers > 1 else ""
@@ -133,6 +138,18 @@ def test_a_rollout_worker_lost_during_a_sync_over_the_weight_group_stops_the_run
     cause = "its process died, and the broadcast cannot go on without it"
     assert re.match(lost + "during a weight sync over the process group: " + cause, line), line
     assert line.endswith("(HYDRA_FULL_ERROR=1 shows the traceback)")
+
+
+def policy_ranks() -> list[int]:
+    """The pids of this session's policy workers: started by the raylet this process started (a
+    ``pgrep`` would also find another Ray's on the machine)."""
+    me = os.getpid()
+    ranks = []
+    for process in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if (process.info["cmdline"] or [""])[0] == "ray::Policy" and process.parent().ppid() == me:
+                ranks.append(process.pid)
+    return ranks
 
 
 def stopped_run(task_dir, tmp_path, *more) -> str:
