@@ -29,7 +29,7 @@ demo: install
 # Every distribution, with vLLM's and SGLang's engines on CPU (constraints.txt pins torch's CPU
 # wheel; SGLang beside its CUDA-only dependencies, tests/sglang_cpu), then the lint and the docs
 # (--strict: a broken link or anchor fails). The fast tier is every test not marked
-# `integration`; the loaded pass runs those marked `loaded` beside two busy loops.
+# `integration`; its loaded pass runs those marked `loaded` beside two busy loops.
 test:
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q -r requirements-dev.txt
@@ -37,13 +37,14 @@ test:
 	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mkdocs build --strict -d "$$(mktemp -d)"
-	$(VENV)/bin/pytest -m "not loaded and not integration"
-	$(VENV)/bin/pytest -m loaded --busy 2
+	$(VENV)/bin/pytest -m "not integration and not loaded"
+	$(VENV)/bin/pytest -m "not integration and loaded" --busy 2
 
-# The engines' contract and commands, the bridge inside verl, two nodes, several ranks, resume,
-# faults, install and a full disk: minutes each.
+# The runs of every schedule and algorithm, the engines' contract and commands, the bridge inside
+# verl, two nodes, several ranks, resume, faults, install and a full disk; its own loaded pass.
 test-all: test
-	$(VENV)/bin/pytest -m integration
+	$(VENV)/bin/pytest -m "integration and not loaded"
+	$(VENV)/bin/pytest -m "integration and loaded" --busy 2
 
 # Every distribution as a wheel in dist/, for machines without the clone (no package index has them).
 wheels:

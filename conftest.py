@@ -67,14 +67,6 @@ def pytest_configure(config):
     )
 
 
-def pytest_collection_modifyitems(config, items):
-    """The loaded pass runs the fast tier's ``loaded`` tests: an integration test marked
-    ``loaded`` would only ever run on an idle machine, in the integration tier."""
-    both = [item.nodeid for item in items if {"loaded", "integration"} <= {mark.name for mark in item.iter_markers()}]
-    if both:
-        raise pytest.UsageError(f"marked both loaded and integration (the loaded pass is the fast tier's): {both[0]}")
-
-
 def pytest_report_header(config):
     busy = config.getoption("busy")
     return [f"busy: {busy} busy-loop processes beside the tests"] if busy else []

@@ -11,6 +11,8 @@ from skip_core.schedule import WEIGHT_SYNC
 from skiptests import CONFIGS
 from training import metrics, overrides, train, undeclared_phases
 
+pytestmark = pytest.mark.integration  # runs of the fully_async schedule
+
 FULLY_ASYNC = ("trainer.schedule=fully_async", "trainer.test_freq=-1", "trainer.resume_mode=disable")
 # What makes the two schedules train on the same thing: no staleness, a sync after every update,
 # recomputed old log-probs as sync does them.

@@ -15,6 +15,8 @@ from skip_core.schedule import GEN, GLOBAL_STEPS, STEP, WEIGHT_SYNC
 from skip_plugin_one_step_off.schedule import GENERATE_ASYNC
 from training import metrics, overrides, train, undeclared_phases
 
+pytestmark = pytest.mark.integration  # runs of the one_step_off schedule
+
 ONE_STEP_OFF = (
     "trainer.schedule=one_step_off",
     "trainer.total_training_steps=4",

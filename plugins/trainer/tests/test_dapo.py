@@ -12,6 +12,8 @@ from skip_plugin_trainer.algorithm_settings import FilterGroups
 from skip_plugin_trainer.train.dynamic_sampling import fill, varied_groups
 from training import metrics, train
 
+pytestmark = pytest.mark.integration  # DAPO runs under every schedule
+
 
 def groups(scores: list[list[float]], first_uid: int = 0) -> Batch:
     """One group per inner list: its samples' scores."""

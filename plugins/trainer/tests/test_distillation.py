@@ -21,6 +21,7 @@ def distilling(task_dir, tmp_path, *more: str) -> list[str]:
     return [*steps, "distillation.enabled=true", teacher, *more]
 
 
+@pytest.mark.integration  # two runs
 def test_a_student_that_is_its_teacher_has_nothing_to_learn_until_the_task_moves_it(ray_session, task_dir, tmp_path):
     """The teacher is the student's own starting weights: the divergence starts at 0. Without
     the task's rewards nothing moves the student from it (k3's gradient is 0 there); with them,

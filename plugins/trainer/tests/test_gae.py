@@ -6,6 +6,8 @@ import json
 import pytest
 from training import metrics, train
 
+pytestmark = pytest.mark.integration  # runs with a critic under every schedule
+
 GAE = ("algorithm.adv_estimator=gae", "algorithm.lam=0.95", "critic.optim.lr=1e-4", "trainer.critic_warmup=2")
 CRITIC = ("critic.ppo_mini_batch_size=2", "critic.ppo_micro_batch_size=2")
 

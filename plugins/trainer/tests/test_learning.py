@@ -23,6 +23,8 @@ from skip_plugin_trainer.rollout.tools import HermesParser
 from skip_plugin_trainer.run_sections import LoopConfig
 from skip_plugin_trainer.train.policy import Policy
 
+pytestmark = pytest.mark.integration  # GRPO updates of the embedded model
+
 PROBLEMS = problems("learning-test", 8, seed=0)
 SAMPLES = 8  # per prompt: a GRPO group
 # PPO steps on the one batch. Small ones: Adam moves every weight by about lr per step, and on

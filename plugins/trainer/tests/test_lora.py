@@ -11,6 +11,8 @@ from skip_plugin_trainer.train.policy import Policy
 from training import metrics, train
 from transformers import AutoModelForCausalLM
 
+pytestmark = pytest.mark.integration  # LoRA runs
+
 
 def lora_policy(model_dir, rank: int = 4) -> Policy:
     config = ActorConfig(ppo_mini_batch_size=3, ppo_micro_batch_size=3, optim=Optim(lr=1e-2), use_kl_loss=True)

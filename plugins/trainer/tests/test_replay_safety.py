@@ -18,6 +18,8 @@ from skip_core.store import CacheWarning
 from skiptests import CONFIGS
 from training import metrics, overrides, train
 
+pytestmark = pytest.mark.integration  # runs replaying resealed and changed entries
+
 STEPS = ("trainer.total_training_steps=2", "trainer.test_freq=0")
 
 

@@ -25,6 +25,8 @@ from skip_plugin_trainer.train.trainer import Trainer
 from skiptests import CONFIGS
 from training import metrics, overrides, train
 
+pytestmark = pytest.mark.integration  # rollout-only, then train-only runs
+
 STEPS = 3
 NO_VALIDATION = ("trainer.test_freq=0", f"trainer.total_training_steps={STEPS}")
 
