@@ -43,6 +43,7 @@ from skip_plugin_trainer.config.algorithm import (
 )
 from skip_plugin_trainer.config.distillation import DistillationConfig
 from skip_plugin_trainer.config.memory_keys import check_budgets, check_offloads
+from skip_plugin_trainer.config.placement import Placement, plan
 from skip_plugin_trainer.config.sections import (
     DataConfig,
     LoopConfig,
@@ -54,8 +55,7 @@ from skip_plugin_trainer.config.sections import (
 )
 from skip_plugin_trainer.config.steps import job_steps
 from skip_plugin_trainer.config.verl_keys import Resolved, resolve
-from skip_plugin_trainer.placement import Placement, plan
-from skip_plugin_trainer.weight_sync import WeightSync, choose
+from skip_plugin_trainer.config.weight_sync import WeightSync, choose
 
 #: What the trainer gives an advantage estimator beside rewards, mask and groups (``Estimator.needs``).
 PROVIDED_TO_ESTIMATORS = frozenset({"values", "reward_baselines", "old_log_probs", "rollout_is_weights", "scores"})
