@@ -45,8 +45,8 @@ from skip_core.sections import Sections
 from skip_plugin_arithmetic.task import ArithmeticOptions, ArithmeticTask, problems, prompt
 from skip_plugin_hf.options import HFOptions
 from skip_plugin_sglang.options import SGLangOptions
+from skip_plugin_trainer.config.sections import LoopConfig
 from skip_plugin_trainer.rollout.agent_loop import AgentLoop
-from skip_plugin_trainer.run_sections import LoopConfig
 from skip_plugin_vllm.options import VLLMOptions
 from transformers import AutoTokenizer
 

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 import transformers
 from skip_core.backend import SamplingParams
+from skip_plugin_arithmetic.tiny_model import llama
 from skip_plugin_hf.engine import HFBackend
 from skip_plugin_hf.resolved import Resolved
 
@@ -48,20 +49,9 @@ PARAMS = {"temperature": 1.0, "top_k": -1, "top_p": 1.0}
 
 
 def build_model(directory: Path) -> Path:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=4096,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=2048,
-        bos_token_id=1,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    shape = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 4}
+    special = {"bos_token_id": 1, "eos_token_id": None, "pad_token_id": 0}
+    llama(4096, 0, **shape, num_key_value_heads=4, max_position_embeddings=2048, **special).save_pretrained(directory)
     return directory
 
 

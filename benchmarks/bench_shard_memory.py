@@ -122,8 +122,8 @@ def rank_main(rank: int, world: int, address: str, options: dict, out: str) -> N
     """One rank: build the ``Policy``, take log-probs of its share, update on it twice (the
     second update's peak is the steady one: AdamW's state exists), report."""
     import torch
-    from skip_plugin_trainer.algorithm_settings import ActorConfig, FsdpConfig, Optim
-    from skip_plugin_trainer.run_sections import ModelConfig
+    from skip_plugin_trainer.config.algorithm import ActorConfig, FsdpConfig, Optim
+    from skip_plugin_trainer.config.sections import ModelConfig
     from skip_plugin_trainer.train.distributed import Group
     from skip_plugin_trainer.train.model_group import update_shares
     from skip_plugin_trainer.train.policy import Policy

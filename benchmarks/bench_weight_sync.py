@@ -296,12 +296,12 @@ def _load_alone(worker, model: str, megabytes: float, version: int) -> float:
 
 def bucketed(model: Path, workers: int, megabytes: float, rounds: int, backend: str, via: str, receiving: dict) -> dict:
     import ray
-    from skip_plugin_trainer.algorithm_settings import ActorConfig
     from skip_plugin_trainer.commands import compose_config
+    from skip_plugin_trainer.config.algorithm import ActorConfig
+    from skip_plugin_trainer.config.settings import RolloutSettings
     from skip_plugin_trainer.rollout.group import RolloutGroup
     from skip_plugin_trainer.rollout.group_sync import GroupSync
     from skip_plugin_trainer.rollout.worker import RolloutWorker
-    from skip_plugin_trainer.settings import RolloutSettings
     from skip_plugin_trainer.train.model_group import ModelGroup, WeightSource
     from skip_plugin_trainer.train.policy import Policy
 

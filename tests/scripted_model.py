@@ -89,9 +89,9 @@ def prompts(tokenizer, questions, tools_kwargs=None, **meta) -> Batch:
 
 def make_loop(tokenizer, backend, tools=None, **config):
     from skip_plugin_arithmetic.calculator import Calculator
+    from skip_plugin_trainer.config.sections import LoopConfig
     from skip_plugin_trainer.rollout.agent_loop import AgentLoop
     from skip_plugin_trainer.rollout.tools import HermesParser
-    from skip_plugin_trainer.run_sections import LoopConfig
 
     settings = {"prompt_length": 64, "response_length": 256, "n": 1, **config}
     tools = {"calculator": Calculator()} if tools is None else tools

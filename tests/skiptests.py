@@ -16,7 +16,7 @@ from skip_core.config import Namespace
 
 ROOT = Path(__file__).resolve().parent.parent
 # The configs skip-plugin-trainer ships; `--config-dir CONFIGS` searches them first, as a user directory.
-CONFIGS = ROOT / "plugins" / "trainer" / "skip_plugin_trainer" / "configs"
+CONFIGS = ROOT / "plugins" / "trainer" / "skip_plugin_trainer" / "config"
 # The small embedded task every test that rolls out or trains uses: seconds, not minutes.
 SMALL = [
     "task.train_size=64",

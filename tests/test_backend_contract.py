@@ -31,10 +31,10 @@ from skip_core.sections import Sections, parse_sections
 from skip_plugin_arithmetic.calculator import Calculator
 from skip_plugin_arithmetic.task import problems, prompt
 from skip_plugin_hf.options import HFOptions
-from skip_plugin_trainer.algorithm_settings import ActorConfig
+from skip_plugin_trainer.config.algorithm import ActorConfig
+from skip_plugin_trainer.config.sections import LoopConfig, MultiTurn
 from skip_plugin_trainer.rollout.agent_loop import AgentLoop, RolloutError
 from skip_plugin_trainer.rollout.tools import HermesParser
-from skip_plugin_trainer.run_sections import LoopConfig, MultiTurn
 from skip_plugin_trainer.train.policy import Policy
 from transformers import AutoTokenizer
 from weight_sender import WeightSender, layouts

@@ -49,10 +49,10 @@ def run(*command: str | Path, cwd: Path, site: Path | None, timeout: int = 300) 
 
 
 def test_the_commands_run_from_the_installed_distributions(site, tmp_path):
-    where = "import skip_plugin_trainer.configs as c, skip_plugin_arithmetic as a; print(c.__file__, a.__file__)"
+    where = "import skip_plugin_trainer.config as c, skip_plugin_arithmetic as a; print(c.__file__, a.__file__)"
     files = run(sys.executable, "-c", where, cwd=tmp_path, site=site).split()
     assert all(Path(file).is_relative_to(site) for file in files), files
-    shipped = sorted(path.name for path in (site / "skip_plugin_trainer" / "configs").glob("*.yaml"))
+    shipped = sorted(path.name for path in (site / "skip_plugin_trainer" / "config").glob("*.yaml"))
     assert shipped == ["long_tail.yaml", "rollout.yaml", "run.yaml"]
     compose = "from skip_plugin_trainer.commands import compose_config as c; print(c(None, 'long_tail', ()).task.dir)"
     assert run(sys.executable, "-c", compose, cwd=tmp_path, site=site).strip() == "./runs/embedded_long_tail"

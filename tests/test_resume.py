@@ -22,7 +22,7 @@ from skip_core import entries
 from skip_core.cli import cli
 from skip_core.store import CacheStore
 from skip_plugin_trainer.commands import compose_config
-from skip_plugin_trainer.settings import RunSettings
+from skip_plugin_trainer.config.settings import RunSettings
 from skip_plugin_trainer.train.checkpoint import LATEST, CheckpointWarning
 from skip_plugin_trainer.train.tracking import Tracking
 from skiptests import CONFIGS

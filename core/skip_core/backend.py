@@ -59,6 +59,13 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.{name}: invalid value {getattr(self, name)!r}")
 
 
+def logprob_temperature(temperature: float) -> float:
+    """The temperature a sampled token's log-prob is taken at, by the engine that sampled it and by
+    the trainer that recomputes it: the sampling temperature, and 1 for a greedy (0) sample, whose
+    argmax has no distribution of its own."""
+    return temperature or 1.0
+
+
 #: Why a completion or a request ended: its stop token or string, its length budget, an engine
 #: that stopped it early (``abort``: a pause or a shutdown; a completion only), or its turns
 #: (``max_turns``: a multi-turn request of the agent loop only).

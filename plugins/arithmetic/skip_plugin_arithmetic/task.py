@@ -50,7 +50,7 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, NonNegativeInt, PositiveInt, field_validator
 from skip_core import writing
-from skip_plugin_trainer.run_sections import TaskConfig
+from skip_plugin_trainer.config.sections import TaskConfig
 from skip_plugin_trainer.tasks import Task, TaskAssets
 
 from skip_plugin_arithmetic import leftovers

@@ -185,6 +185,18 @@ def build_tokenizer(corpus: Iterable[str], vocab_size: int = VOCAB_SIZE) -> Any:
     )
 
 
+def llama(vocab_size: int, seed: int = 0, **config: Any) -> Any:
+    """A ``LlamaForCausalLM`` randomly initialised from ``seed``: ``vocab_size`` tokens and
+    ``config`` (``LlamaConfig``'s keys) over a small default shape (two layers of 64). The
+    embedded model is one; the tests and benchmarks build theirs with it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, **{**shape, "num_key_value_heads": 2, **config}))
+
+
 def build_model(tokenizer: Any, seed: int) -> Any:
     """A two-layer Llama of about 1.1M parameters, randomly initialised from ``seed``.
 
@@ -192,17 +204,14 @@ def build_model(tokenizer: Any, seed: int) -> Any:
     eight narrow heads learned it several times faster than four layers, and a wider MLP
     only cost time.
     """
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import GenerationConfig
 
     pad, end = tokenizer.pad_token_id, tokenizer.eos_token_id
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=256,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
+    shape = {"hidden_size": 256, "intermediate_size": 384, "num_attention_heads": 8, "num_key_value_heads": 4}
+    model = llama(
+        len(tokenizer),
+        seed,
+        **shape,
         head_dim=32,
         max_position_embeddings=1024,
         tie_word_embeddings=True,
@@ -210,7 +219,5 @@ def build_model(tokenizer: Any, seed: int) -> Any:
         eos_token_id=end,
         pad_token_id=pad,
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
     model.generation_config = GenerationConfig(bos_token_id=pad, eos_token_id=end, pad_token_id=pad)
     return model

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 import torch
-from skip_core.backend import SamplingParams
+from skip_core.backend import SamplingParams, logprob_temperature
 
 
 def seeded_stream(seed: int, sample: int) -> random.Random:
@@ -25,8 +25,7 @@ class Sampler:
     def __init__(self, params: Sequence[SamplingParams], streams: Sequence[random.Random], device: torch.device):
         self.streams = list(streams)
         self.device = device
-        # Greedy rows report log-probs at temperature 1, the distribution a trainer recomputes.
-        self.temperature = torch.tensor([[p.temperature or 1.0] for p in params], device=device)
+        self.temperature = torch.tensor([[logprob_temperature(p.temperature)] for p in params], device=device)
         self.greedy = torch.tensor([p.temperature == 0 for p in params], device=device)
         self.top_k = torch.tensor([[p.top_k if p.top_k > 0 else sys.maxsize] for p in params], device=device)
         self.top_p = torch.tensor([[p.top_p] for p in params], device=device)

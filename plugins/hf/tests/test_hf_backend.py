@@ -16,6 +16,7 @@ from skip_core.backend import Generation, SamplingParams, create_backend, one_bu
 from skip_core.config import ConfigError
 from skip_core.plugins import registry
 from skip_core.sections import Sections, parse_sections
+from skip_plugin_arithmetic.tiny_model import llama
 from skip_plugin_hf.engine import HFBackend
 from skip_plugin_hf.options import HFOptions
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -32,20 +33,8 @@ TEXT = [
 
 
 def save_tiny_llama(directory: Path, seed: int) -> Path:
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=MAX_POSITIONS,
-        eos_token_id=EOS,
-        pad_token_id=0,
-        bos_token_id=1,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    special = {"eos_token_id": EOS, "pad_token_id": 0, "bos_token_id": 1}
+    llama(300, seed, max_position_embeddings=MAX_POSITIONS, **special).save_pretrained(directory)
     save_byte_level_tokenizer(directory)
     return directory
 

@@ -1,9 +1,12 @@
 """skip-plugin-trainer: the trainer and rollout runtime behind ``skip run`` and ``skip rollout``.
 
-Everything this distribution adds to skip is registered here; the work lives in
-``rollout/`` (the agent loop, tools, chat format, padding, the ``skip rollout`` job),
-``data.py`` and ``train/`` (GRPO math, the policy worker, Ray pools, the ``sync``
-schedule, checkpoints, metrics, rewards). Heavy imports wait until a command runs.
+Everything this distribution adds to skip is registered here; the work lives in ``config/``
+(the shipped YAML, the typed sections and the settings validated from them, verl's keys),
+``rollout/`` (the agent loop, tools, padding, the rollout workers, the ``skip rollout`` job),
+``data/`` (rows, chat format, dataset, loader), ``algorithms/`` (verl's losses and advantage
+estimators), ``train/`` (the policy and critic workers, Ray pools, the ``sync`` schedule,
+checkpoints, metrics, the trainer), ``diff/`` (``skip diff``) and ``reward.py``. Heavy imports
+wait until a command runs.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ def skip_add_hookspecs(add):
 
 @hookimpl
 def skip_register_sections(register):
-    from skip_plugin_trainer.settings import SECTIONS
+    from skip_plugin_trainer.config.settings import SECTIONS
 
     for key, model in SECTIONS.items():
         register(key, model)

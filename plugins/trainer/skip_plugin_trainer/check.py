@@ -16,9 +16,9 @@ from typing import Any
 import yaml
 from rich.console import Console
 
-from skip_plugin_trainer import verl_defaults
+from skip_plugin_trainer.config import verl_defaults
+from skip_plugin_trainer.config.settings import RolloutSettings, RunSettings
 from skip_plugin_trainer.rollout.parts import RolloutParts
-from skip_plugin_trainer.settings import RolloutSettings, RunSettings
 
 
 def check(config: Any, console: Console, command: str) -> RolloutSettings:

@@ -14,7 +14,7 @@ from skip_core.console import console
 from skip_core.escaping import printable
 
 #: The package holding the shipped configs, for Hydra (``pkg://``).
-CONFIGS_PACKAGE = "skip_plugin_trainer.configs"
+CONFIGS_PACKAGE = "skip_plugin_trainer.config"
 #: Longer than any key of any section (``actor_rollout_ref.rollout.multi_turn.tool_config_path``: 53).
 MAX_KEY = 200
 
@@ -154,7 +154,7 @@ def forced(overrides: tuple[str, ...]) -> list[str]:
     which one wins would depend on where each lands, not on their order."""
     from skip_core.config import ConfigError
 
-    from skip_plugin_trainer.verl_keys import alias
+    from skip_plugin_trainer.config.verl_keys import alias
 
     out, seen = [], {}
     # verl's null for one spelling (ppo_micro_batch_size=null beside ppo_micro_batch_size_per_gpu=8,

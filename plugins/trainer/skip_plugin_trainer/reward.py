@@ -32,7 +32,7 @@ from skip_core.errors import SkipError
 from skip_core.escaping import printable
 
 from skip_plugin_trainer import user_code
-from skip_plugin_trainer.algorithm_settings import CustomRewardFunction, OverlongBuffer, RewardConfig
+from skip_plugin_trainer.config.algorithm import CustomRewardFunction, OverlongBuffer, RewardConfig
 from skip_plugin_trainer.timed_calls import TimedCalls, TooManyHung
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 from pydantic import ConfigDict
 
-from skip_plugin_trainer.run_sections import TaskConfig
+from skip_plugin_trainer.config.sections import TaskConfig
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ def kib(field: str) -> int:
 
 def build(options: dict, kind: str, group):
     """The trained model of ``kind`` on ``group`` (None: one rank, loaded whole)."""
-    from skip_plugin_trainer.algorithm_settings import ActorConfig, CriticConfig
-    from skip_plugin_trainer.run_sections import ModelConfig
+    from skip_plugin_trainer.config.algorithm import ActorConfig, CriticConfig
+    from skip_plugin_trainer.config.sections import ModelConfig
     from skip_plugin_trainer.train.critic import Critic
     from skip_plugin_trainer.train.policy import Policy
 

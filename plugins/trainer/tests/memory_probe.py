@@ -34,9 +34,9 @@ def kib(field: str) -> int:
 def measure(options: dict) -> dict:
     import torch
     from skip_core.batch import Batch
-    from skip_plugin_trainer.algorithm_settings import ActorConfig, FsdpConfig, Optim
+    from skip_plugin_trainer.config.algorithm import ActorConfig, FsdpConfig, Optim
+    from skip_plugin_trainer.config.sections import ModelConfig
     from skip_plugin_trainer.memory import Plan, Shape, estimate
-    from skip_plugin_trainer.run_sections import ModelConfig
     from skip_plugin_trainer.train.policy import Policy
 
     rows, prompt, response = options["rows"], options["prompt"], options["response"]

@@ -27,7 +27,7 @@ class Where:
 
 def main() -> None:
     import ray
-    from skip_plugin_trainer.settings import RunSettings
+    from skip_plugin_trainer.config.settings import RunSettings
     from skip_plugin_trainer.train.workers import Cluster
 
     overrides = json.loads(sys.argv[1])

@@ -6,8 +6,8 @@ import pytest
 import torch
 from batches import ROWS, padded_batch
 from skip_core.batch import Batch
-from skip_plugin_trainer.algorithm_settings import ActorConfig, Optim
 from skip_plugin_trainer.algorithms.aggregation import LOSS_AGG_MODES
+from skip_plugin_trainer.config.algorithm import ActorConfig, Optim
 from skip_plugin_trainer.train.policy import Policy
 
 

@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
-from skip_plugin_trainer.algorithm_settings import AlgorithmConfig
 from skip_plugin_trainer.algorithms.advantages import ESTIMATORS
 from skip_plugin_trainer.algorithms.contract import AdvantageInputs
+from skip_plugin_trainer.config.algorithm import AlgorithmConfig
 from torch.testing import assert_close
 
 T = torch.tensor

@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
-from skip_plugin_trainer.algorithm_settings import ActorConfig
 from skip_plugin_trainer.algorithms.aggregation import LOSS_AGG_MODES, Totals, agg_loss, masked_mean, masked_whiten
 from skip_plugin_trainer.algorithms.contract import LossContext, LossInputs, PolicyLoss
 from skip_plugin_trainer.algorithms.kl import KL_PENALTIES, apply_kl_penalty, kl_penalty
 from skip_plugin_trainer.algorithms.losses import vanilla
+from skip_plugin_trainer.config.algorithm import ActorConfig
 from skip_plugin_trainer.train.logits import entropy_from_logits, log_probs_from_logits
 from torch.testing import assert_close
 

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from skip_core import encoding, entries, files, writing
 from skip_core.encoding import EncodingError
+from skip_plugin_arithmetic.tiny_model import llama
 from skip_plugin_trainer.train import shards
 from skip_plugin_trainer.train.checkpoint import (
     LATEST,
@@ -137,18 +138,8 @@ def test_a_model_saved_before_its_first_step_resumes_with_a_fresh_optimizer(tmp_
 
 
 def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(config).to(torch.bfloat16)
+    shape = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    return llama(64, **shape, tie_word_embeddings=True).to(torch.bfloat16)
 
 
 def test_tied_weights_and_dtypes_round_trip(tmp_path):

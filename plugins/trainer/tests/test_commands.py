@@ -1,6 +1,7 @@
 """``skip run`` and ``skip rollout`` as commands: where the configs come from, Hydra composition
 and its errors. Every key a declared section's model has can be overridden, and no other."""
 
+import functools
 import json
 import re
 import subprocess
@@ -8,11 +9,13 @@ import sys
 
 import pytest
 from click.testing import CliRunner
+from omegaconf import OmegaConf
 from skip_core import plugins
 from skip_core.cli import cli
+from skip_core.hydra_defaults import hydra_defaults
 from skip_plugin_trainer.commands import compose_config
-from skip_plugin_trainer.settings import RunSettings
-from skiptests import ROOT
+from skip_plugin_trainer.config.settings import RunSettings
+from skiptests import CONFIGS, ROOT
 
 
 def invoke(*args: str):
@@ -44,7 +47,7 @@ def test_a_key_longer_than_any_file_name_is_one_line_not_hydras_file_error():
 
 def test_every_key_of_a_declared_sections_model_overrides_though_the_yaml_does_not_name_it():
     """The shipped YAML names a few engine options; the vllm plugin's model has more."""
-    assert "max_num_seqs" not in (ROOT / "plugins/trainer/skip_plugin_trainer/configs/rollout.yaml").read_text()
+    assert "max_num_seqs" not in (ROOT / "plugins/trainer/skip_plugin_trainer/config/rollout.yaml").read_text()
     config = compose_config(None, "run", ("rollout.engine_kwargs.vllm.max_num_seqs=16", "profiling.flush_interval_s=2"))
     assert config.rollout.engine_kwargs.vllm.max_num_seqs == 16
     assert config.profiling.flush_interval_s == 2
@@ -109,3 +112,57 @@ def test_the_commands_module_imported_first_still_gives_skip_its_commands():
     done = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert {"run", "rollout", "diff"} <= set(json.loads(done.stdout)), done.stdout
+
+
+# The shipped YAML and what each includes (its ``defaults`` list): a value is needed only where it
+# differs from what the file would get without it.
+SHIPPED = {"rollout.yaml": [], "run.yaml": ["rollout.yaml"], "long_tail.yaml": ["rollout.yaml", "run.yaml"]}
+ABSENT = object()  # a key no section declares (``steps``, ``output_dir``): the file's own
+
+
+def shipped(name: str) -> dict:
+    """A shipped file's values as Hydra reads them (``1e-4`` a float), without its ``defaults``."""
+    values = OmegaConf.to_container(OmegaConf.load(CONFIGS / name))
+    values.pop("defaults", None)
+    return values
+
+
+def copied_defaults(read) -> list[str]:
+    """Each value of the files ``read`` gives that equals what the file gets without it: the
+    section's default (``skip_defaults``), or the value of a file it includes."""
+    reg = plugins.registry()
+    typed = hydra_defaults({name: role.config for name, role in reg.roles.items()}, reg.sections)
+    copies = []
+    for name, included in SHIPPED.items():
+        below = OmegaConf.to_container(OmegaConf.merge(typed, *map(read, included)))
+        for path, value in _leaves(read(name)):
+            default = functools.reduce(
+                lambda node, key: node.get(key, ABSENT) if isinstance(node, dict) else ABSENT, path, below
+            )
+            if default == value and isinstance(default, bool) == isinstance(value, bool):
+                copies.append(f"{name}: {'.'.join(path)}={value!r}")
+    return copies
+
+
+def test_the_shipped_yaml_holds_no_value_that_the_typed_defaults_already_give():
+    """A copy of a default would silently override a changed default."""
+    assert copied_defaults(shipped) == []
+
+
+def test_a_copied_default_is_caught():
+    def planted(name: str) -> dict:
+        values = shipped(name)
+        if name == "run.yaml":
+            values["actor"]["ppo_epochs"] = 1  # ActorConfig's default
+            values["data"] = {"max_prompt_length": 160}  # rollout.yaml's
+        return values
+
+    assert copied_defaults(planted) == ["run.yaml: actor.ppo_epochs=1", "run.yaml: data.max_prompt_length=160"]
+
+
+def _leaves(node: dict, path: tuple = ()):
+    for key, value in node.items():
+        if isinstance(value, dict) and value:
+            yield from _leaves(value, (*path, key))
+        else:
+            yield (*path, key), value

@@ -9,11 +9,11 @@ import pytest
 import torch
 from batches import ROWS, padded_batch
 from skip_core.config import ConfigError
-from skip_plugin_trainer.algorithm_settings import ActorConfig, Optim, RolloutCorrection
 from skip_plugin_trainer.algorithms.aggregation import Totals
 from skip_plugin_trainer.algorithms.contract import LossContext, LossInputs, PolicyLoss
 from skip_plugin_trainer.algorithms.losses import reinforce, vanilla
-from skip_plugin_trainer.settings import RunSettings
+from skip_plugin_trainer.config.algorithm import ActorConfig, Optim, RolloutCorrection
+from skip_plugin_trainer.config.settings import RunSettings
 from skip_plugin_trainer.train.correction import (
     bypass_mode,
     correct,

@@ -3,10 +3,10 @@
 import pytest
 import torch
 from batches import ROWS, padded_batch
-from skip_plugin_trainer.algorithm_settings import AlgorithmConfig, CriticConfig, Optim
 from skip_plugin_trainer.algorithms.aggregation import LOSS_AGG_MODES, masked_whiten
 from skip_plugin_trainer.algorithms.contract import AdvantageInputs
 from skip_plugin_trainer.algorithms.token_advantages import gae
+from skip_plugin_trainer.config.algorithm import AlgorithmConfig, CriticConfig, Optim
 from skip_plugin_trainer.train.critic import Critic
 from skip_plugin_trainer.train.value import value_loss, value_metrics
 

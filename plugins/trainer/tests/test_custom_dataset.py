@@ -9,8 +9,8 @@ import torch
 from click.testing import CliRunner
 from skip_core.cli import cli
 from skip_core.config import ConfigError
+from skip_plugin_trainer.config.sections import DataConfig
 from skip_plugin_trainer.data import RLDataset
-from skip_plugin_trainer.run_sections import DataConfig
 from word_chat import row, word_tokenizer, write_jsonl
 
 # A verl-style custom class: another file layout ({"q": ..., "a": ...} lines) mapped into verl's

@@ -8,7 +8,7 @@ import pytest
 import torch
 from skip_core.batch import Batch
 from skip_core.config import ConfigError
-from skip_plugin_trainer.algorithm_settings import FilterGroups
+from skip_plugin_trainer.config.algorithm import FilterGroups
 from skip_plugin_trainer.train.dynamic_sampling import fill, varied_groups
 from training import metrics, train
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from skip_core.config import ConfigError, parse_section
+from skip_plugin_trainer.config.sections import DataConfig
 from skip_plugin_trainer.data import PromptLoader, RLDataset, collate
 from skip_plugin_trainer.data.chat import ChatFormat
-from skip_plugin_trainer.run_sections import DataConfig
 from word_chat import OVERHEAD, row, word_tokenizer, write_jsonl, write_parquet
 
 CALC = {"type": "function", "function": {"name": "calc", "description": "add numbers", "parameters": {}}}

@@ -5,7 +5,7 @@ against verl's function in the verl venv: ``test_distillation_matches_verl.py``)
 import pytest
 from skip_core import ConfigError
 from skip_plugin_trainer.commands import compose_config
-from skip_plugin_trainer.settings import RunSettings
+from skip_plugin_trainer.config.settings import RunSettings
 from skiptests import CONFIGS
 from training import metrics, overrides, train, undeclared_phases
 

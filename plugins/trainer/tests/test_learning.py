@@ -14,13 +14,13 @@ from skip_plugin_arithmetic import warmup
 from skip_plugin_arithmetic.calculator import SCHEMA, Calculator
 from skip_plugin_arithmetic.task import demonstration, problems, prompt, score
 from skip_plugin_hf.options import HFOptions
-from skip_plugin_trainer.algorithm_settings import ActorConfig, AlgorithmConfig, Optim
 from skip_plugin_trainer.algorithms.advantages import grpo
 from skip_plugin_trainer.algorithms.contract import AdvantageInputs
+from skip_plugin_trainer.config.algorithm import ActorConfig, AlgorithmConfig, Optim
+from skip_plugin_trainer.config.sections import LoopConfig
 from skip_plugin_trainer.reward import place_on_last_token
 from skip_plugin_trainer.rollout.agent_loop import AgentLoop
 from skip_plugin_trainer.rollout.tools import HermesParser
-from skip_plugin_trainer.run_sections import LoopConfig
 from skip_plugin_trainer.train.policy import Policy
 
 pytestmark = pytest.mark.integration  # GRPO updates of the embedded model

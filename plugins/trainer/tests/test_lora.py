@@ -5,8 +5,8 @@ import pytest
 import torch
 from batches import ROWS, padded_batch
 from skip_core.config import ConfigError
-from skip_plugin_trainer.algorithm_settings import ActorConfig, Optim
-from skip_plugin_trainer.run_sections import ModelConfig
+from skip_plugin_trainer.config.algorithm import ActorConfig, Optim
+from skip_plugin_trainer.config.sections import ModelConfig
 from skip_plugin_trainer.train.policy import Policy
 from training import metrics, train
 from transformers import AutoModelForCausalLM

@@ -9,8 +9,8 @@ import torch
 from batches import ROWS, padded_batch
 from skip_core.batch import Batch
 from skip_core.config import ConfigError
-from skip_plugin_trainer.algorithm_settings import ActorConfig, CriticConfig, Optim
-from skip_plugin_trainer.settings import RunSettings
+from skip_plugin_trainer.config.algorithm import ActorConfig, CriticConfig, Optim
+from skip_plugin_trainer.config.settings import RunSettings
 from skip_plugin_trainer.train.checkpoint import CheckpointManager
 from skip_plugin_trainer.train.critic import Critic
 from skip_plugin_trainer.train.lr_schedule import lr_factor, warmup_steps

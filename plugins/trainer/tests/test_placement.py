@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 from skip_core.config import ConfigError
-from skip_plugin_trainer.placement import Bundle, plan
-from skip_plugin_trainer.run_sections import Resources
+from skip_plugin_trainer.config.placement import Bundle, plan
+from skip_plugin_trainer.config.sections import Resources
 
 PROBE = Path(__file__).with_name("placement_probe.py")
 GPU = {"trainer.device": "cuda", "resources.actor.gpus_per_worker": 1, "resources.rollout.cpus_per_worker": 0.25}

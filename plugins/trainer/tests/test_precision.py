@@ -11,8 +11,8 @@ import pytest
 import torch
 from batches import PROMPT, RESPONSE, ROWS, padded_batch
 from skip_core.batch import Batch
-from skip_plugin_trainer.algorithm_settings import ActorConfig, FsdpConfig, Optim
-from skip_plugin_trainer.run_sections import ModelConfig
+from skip_plugin_trainer.config.algorithm import ActorConfig, FsdpConfig, Optim
+from skip_plugin_trainer.config.sections import ModelConfig
 from skip_plugin_trainer.train.logits import token_log_probs
 from skip_plugin_trainer.train.micro_batches import equalise, pack, spans, split
 from skip_plugin_trainer.train.policy import Policy

@@ -15,7 +15,7 @@ from skip_core.batch import Batch
 from skip_core.cli import cli
 from skip_core.config import ConfigError
 from skip_core.errors import SkipError
-from skip_plugin_trainer.algorithm_settings import CustomRewardFunction, OverlongBuffer, RewardConfig
+from skip_plugin_trainer.config.algorithm import CustomRewardFunction, OverlongBuffer, RewardConfig
 from skip_plugin_trainer.reward import (
     MAX_HUNG_CALLS,
     Rewarder,

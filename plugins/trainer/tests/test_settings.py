@@ -8,8 +8,8 @@ from skip_core.config import ConfigError
 from skip_core.plugins import registry
 from skip_plugin_arithmetic.task import ArithmeticOptions
 from skip_plugin_hf.options import HFOptions
-from skip_plugin_trainer.run_sections import Resources
-from skip_plugin_trainer.settings import SECTIONS, RunSettings
+from skip_plugin_trainer.config.sections import Resources
+from skip_plugin_trainer.config.settings import SECTIONS, RunSettings
 
 
 @pytest.mark.parametrize("workers", [1, 2])

@@ -192,7 +192,7 @@ def test_a_weight_sync_from_two_ranks_gathers_one_bucket_at_a_time(ray_session, 
     rank 0, through the object store or broadcast over a weight group; together the buckets are
     the unsharded model's weights, bit for bit (cast to the engines' dtype over the group)."""
     import ray
-    from skip_plugin_trainer.algorithm_settings import ActorConfig
+    from skip_plugin_trainer.config.algorithm import ActorConfig
     from skip_plugin_trainer.rollout.weights import MEGABYTE, unpack
     from skip_plugin_trainer.train.distributed import Group, free_address, own_state
     from skip_plugin_trainer.train.model_group import ModelGroup, WeightSource

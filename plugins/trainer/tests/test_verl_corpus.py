@@ -15,7 +15,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 from skip_core.cli import cli
-from skip_plugin_trainer.verl_keys import alias
+from skip_plugin_trainer.config.verl_keys import alias
 from skiptests import ROOT
 
 CORPUS = ROOT / "tests" / "verl_corpus"

@@ -11,9 +11,9 @@ from click.testing import CliRunner
 from skip_core.cli import cli
 from skip_core.config import ConfigError
 from skip_core.plugins import registry
-from skip_plugin_trainer.algorithm_settings import RewardConfig
 from skip_plugin_trainer.commands import compose_config
-from skip_plugin_trainer.settings import RunSettings, UnusedKeysWarning
+from skip_plugin_trainer.config.algorithm import RewardConfig
+from skip_plugin_trainer.config.settings import RunSettings, UnusedKeysWarning
 
 
 def settings(*overrides: str, config_dir=None) -> RunSettings:

@@ -2,7 +2,7 @@
 
 import pytest
 from skip_core.config import ConfigError
-from skip_plugin_trainer.settings import RunSettings
+from skip_plugin_trainer.config.settings import RunSettings
 
 GPUS = {"trainer": {"device": "cuda"}}
 

@@ -10,7 +10,7 @@ from scripted_model import make_loop
 from skip_core.backend import create_backend
 from skip_core.sections import Sections
 from skip_plugin_hf.options import HFOptions
-from skip_plugin_trainer.algorithm_settings import ActorConfig, Optim
+from skip_plugin_trainer.config.algorithm import ActorConfig, Optim
 from skip_plugin_trainer.rollout.weights import MEGABYTE, Bucket, TensorSpec, pack, plan, unpack
 from skip_plugin_trainer.train.policy import Policy
 from transformers import AutoTokenizer

@@ -20,7 +20,7 @@ def skip_register_roles(register):
 
 @hookimpl
 def skip_register_commands(cli):
-    from skip_plugin_verl import commands
+    from skip_plugin_verl.dumps import commands
 
     commands.register(cli)
 

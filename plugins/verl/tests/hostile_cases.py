@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import torch
 from skip_core.reading import UnsafeFile
-from skip_plugin_verl.dump_errors import UnsafePickleError, VerlDumpError
-from skip_plugin_verl.restricted_pickle import DTYPES
+from skip_plugin_verl.dumps.errors import UnsafePickleError, VerlDumpError
+from skip_plugin_verl.dumps.restricted_pickle import DTYPES
 from torch.nested._internal.nested_tensor import NestedTensor
 
 _spec = importlib.util.spec_from_file_location("pickle_forge", Path(__file__).parent / "pickle_forge.py")

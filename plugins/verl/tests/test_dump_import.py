@@ -16,8 +16,8 @@ from click.testing import CliRunner
 from skip_core import Batch, SkipManager
 from skip_core.cli import cli
 from skip_core.config import Namespace
-from skip_plugin_verl.dump_errors import VerlDumpError
-from skip_plugin_verl.dump_import import import_verl, split_run_name
+from skip_plugin_verl.dumps.errors import VerlDumpError
+from skip_plugin_verl.dumps.importing import import_verl, split_run_name
 
 DATA = Path(__file__).parent / "data" / "verl"
 _spec = importlib.util.spec_from_file_location("make_fixture", DATA / "make_fixture.py")

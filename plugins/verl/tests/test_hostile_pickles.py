@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from skip_plugin_verl.tq_pickle import _TqUnpickler, decode_tq_batch, read_tq_batch
-from skip_plugin_verl.verl_pickle import _OuterUnpickler, read_gen_batch
+from skip_plugin_verl.dumps.tq_pickle import _TqUnpickler, decode_tq_batch, read_tq_batch
+from skip_plugin_verl.dumps.verl_pickle import _OuterUnpickler, read_gen_batch
 
 HERE = Path(__file__).parent
 _spec = importlib.util.spec_from_file_location("hostile_cases", HERE / "hostile_cases.py")
@@ -114,8 +114,8 @@ def test_a_value_shared_many_times_is_charged_each_time_it_is_referenced(tmp_pat
 CHILD = """
 import json, resource, sys
 from skip_core.cli import cli
-from skip_plugin_verl.tq_pickle import read_tq_batch
-from skip_plugin_verl.verl_pickle import read_gen_batch
+from skip_plugin_verl.dumps.tq_pickle import read_tq_batch
+from skip_plugin_verl.dumps.verl_pickle import read_gen_batch
 read_gen_batch(sys.argv[3])  # every module and lazy import loaded (torch's jagged tensors: 43 MB):
 read_tq_batch(sys.argv[4])  # the baseline is the interpreter's
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from skip_plugin_verl.tq_pickle import TqDump, _TqUnpickler, decode_tq_batch, read_tq_batch
-from skip_plugin_verl.verl_pickle import _OuterUnpickler, read_gen_batch
+from skip_plugin_verl.dumps.tq_pickle import TqDump, _TqUnpickler, decode_tq_batch, read_tq_batch
+from skip_plugin_verl.dumps.verl_pickle import _OuterUnpickler, read_gen_batch
 
 HERE = Path(__file__).parent
 _spec = importlib.util.spec_from_file_location("hostile_cases", HERE / "hostile_cases.py")

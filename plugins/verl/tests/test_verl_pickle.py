@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 from skip_core import Batch
-from skip_plugin_verl.dump_errors import UnsafePickleError, VerlDumpError
-from skip_plugin_verl.verl_pickle import read_gen_batch
+from skip_plugin_verl.dumps.errors import UnsafePickleError, VerlDumpError
+from skip_plugin_verl.dumps.verl_pickle import read_gen_batch
 
 DATA = Path(__file__).parent / "data" / "verl"
 _spec = importlib.util.spec_from_file_location("make_fixture", DATA / "make_fixture.py")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from skip_plugin_trainer.algorithm_settings import AlgorithmConfig
 from skip_plugin_trainer.algorithms.aggregation import masked_whiten
 from skip_plugin_trainer.algorithms.contract import AdvantageInputs, Estimator
 from skip_plugin_trainer.algorithms.groups import Groups
@@ -29,6 +28,7 @@ from skip_plugin_trainer.algorithms.token_advantages import (
     reinforce_plus_plus,
     tir_optimal_token_baseline,
 )
+from skip_plugin_trainer.config.algorithm import AlgorithmConfig
 
 EPSILON = 1e-6  # verl's: keeps the advantages of a group with equal scores finite
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from torch import Tensor
 
-from skip_plugin_trainer.algorithm_settings import ActorConfig, AlgorithmConfig, RolloutCorrection
 from skip_plugin_trainer.algorithms.aggregation import Totals, agg_loss, token_share
+from skip_plugin_trainer.config.algorithm import ActorConfig, AlgorithmConfig, RolloutCorrection
 
 
 @dataclass(frozen=True)

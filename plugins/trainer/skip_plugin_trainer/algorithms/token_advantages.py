@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from skip_plugin_trainer.algorithm_settings import AlgorithmConfig
 from skip_plugin_trainer.algorithms.aggregation import masked_whiten
 from skip_plugin_trainer.algorithms.contract import AdvantageInputs
 from skip_plugin_trainer.algorithms.groups import Groups
+from skip_plugin_trainer.config.algorithm import AlgorithmConfig
 
 OTB_EPSILON = 1e-8  # verl's, for a time step no response of the group reaches
 

@@ -21,7 +21,7 @@ from skip_core.config import ConfigError
 from skip_core.escaping import printable
 
 from skip_plugin_trainer import user_code
-from skip_plugin_trainer.run_sections import CustomDataset, DataConfig
+from skip_plugin_trainer.config.sections import CustomDataset, DataConfig
 
 KEY = "data.custom_cls"
 

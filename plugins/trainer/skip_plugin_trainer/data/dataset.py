@@ -20,10 +20,10 @@ import torch
 from skip_core.config import ConfigError
 from skip_core.progress import progress
 
+from skip_plugin_trainer.config.sections import DataConfig
 from skip_plugin_trainer.data.chat import ChatFormat
 from skip_plugin_trainer.data.custom import custom_rows
 from skip_plugin_trainer.data.rows import data_files, messages, read_rows, tools_kwargs
-from skip_plugin_trainer.run_sections import DataConfig
 
 logger = logging.getLogger(__name__)
 

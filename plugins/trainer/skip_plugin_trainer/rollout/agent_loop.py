@@ -28,13 +28,13 @@ from skip_core.manager import SkipManager
 from skip_core.schedule import GLOBAL_STEPS, GREEDY, INDEX_BASE, VALIDATE
 from skip_core.weight_group import Layout, WeightGroup
 
+from skip_plugin_trainer.config.sections import LoopConfig, Sampling
 from skip_plugin_trainer.data.chat import ChatFormat
 from skip_plugin_trainer.rollout.padding import ROLLOUT_LAYOUT, pad_requests
 from skip_plugin_trainer.rollout.request import Request, State
 from skip_plugin_trainer.rollout.stats import rollout_stats
 from skip_plugin_trainer.rollout.tools import Tool, ToolCall, ToolParser, ToolResponse
 from skip_plugin_trainer.rollout.weights import EngineWeights
-from skip_plugin_trainer.run_sections import LoopConfig, Sampling
 
 T = TypeVar("T")
 

@@ -24,12 +24,12 @@ from skip_core.progress import progress, waiting
 from skip_core.schedule import GLOBAL_STEPS, INDEX_BASE
 from skip_core.store import CacheStore
 
+from skip_plugin_trainer.config.sections import TrainerConfig
+from skip_plugin_trainer.config.settings import RolloutSettings
 from skip_plugin_trainer.data import PromptLoader, RLDataset, generation_inputs
 from skip_plugin_trainer.rollout.agent_loop import AgentLoop
 from skip_plugin_trainer.rollout.parts import RolloutParts, load_tokenizer, prepare_task, prompt_loader
 from skip_plugin_trainer.rollout.stats import merge_rollout_stats
-from skip_plugin_trainer.run_sections import TrainerConfig
-from skip_plugin_trainer.settings import RolloutSettings
 
 
 @dataclass

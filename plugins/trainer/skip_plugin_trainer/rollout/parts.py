@@ -11,10 +11,10 @@ from typing import Any
 from skip_core.backend import Backend, find_backend
 from skip_core.config import ConfigError
 
+from skip_plugin_trainer.config.settings import RolloutSettings
 from skip_plugin_trainer.data import PromptLoader, RLDataset
 from skip_plugin_trainer.rollout.agent_loop import AgentLoop
 from skip_plugin_trainer.rollout.tools import Tool, ToolParser, load_tools, tool_parser
-from skip_plugin_trainer.settings import RolloutSettings
 
 
 def prepare_task(settings: RolloutSettings) -> None:

@@ -11,8 +11,8 @@ from skip_core.schedule import GLOBAL_STEPS
 from skip_core.weight_group import Layout, Receiver, WeightGroup
 
 from skip_plugin_trainer.actors import Located
+from skip_plugin_trainer.config.settings import RolloutSettings
 from skip_plugin_trainer.rollout.weights import Bucket, unpack
-from skip_plugin_trainer.settings import RolloutSettings
 
 
 class RolloutWorker(Located):

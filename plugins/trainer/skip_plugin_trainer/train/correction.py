@@ -18,10 +18,10 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from skip_plugin_trainer.algorithm_settings import RolloutCorrection
 from skip_plugin_trainer.algorithms.aggregation import masked_mean
 from skip_plugin_trainer.algorithms.contract import LossContext, LossInputs, PolicyLoss
 from skip_plugin_trainer.algorithms.losses import reinforce, vanilla
+from skip_plugin_trainer.config.algorithm import RolloutCorrection
 
 # verl's bound on a log-ratio before ``exp``: past exp(20) a weight is meaningless anyway.
 SAFETY_BOUND = 20.0

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from skip_core.batch import Batch
 
-from skip_plugin_trainer.algorithm_settings import CriticConfig
 from skip_plugin_trainer.algorithms.aggregation import Totals, token_share
+from skip_plugin_trainer.config.algorithm import CriticConfig
 from skip_plugin_trainer.train.distributed import Group, join, shard, world
 from skip_plugin_trainer.train.loading import pretrained
 from skip_plugin_trainer.train.micro_batches import split

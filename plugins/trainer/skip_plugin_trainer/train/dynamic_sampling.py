@@ -12,7 +12,7 @@ from skip_core.batch import Batch
 from skip_core.config import ConfigError
 from skip_core.manager import SkipManager
 
-from skip_plugin_trainer.algorithm_settings import FilterGroups
+from skip_plugin_trainer.config.algorithm import FilterGroups
 
 
 def varied_groups(batch: Batch, metric: str) -> np.ndarray:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from skip_core.config import ConfigError
 
-from skip_plugin_trainer.run_sections import ModelConfig
+from skip_plugin_trainer.config.sections import ModelConfig
 from skip_plugin_trainer.train.distributed import own_state
 
 ADAPTER = "default"  # peft's name for the one adapter

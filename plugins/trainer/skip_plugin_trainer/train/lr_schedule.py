@@ -16,7 +16,7 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from skip_plugin_trainer.algorithm_settings import Optim
+from skip_plugin_trainer.config.algorithm import Optim
 
 
 def warmup_steps(optim: Optim, total_steps: int | None) -> int:

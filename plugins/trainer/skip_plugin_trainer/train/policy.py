@@ -13,16 +13,18 @@ import math
 from typing import Any
 
 import torch
+from skip_core.backend import logprob_temperature
 from skip_core.batch import Batch
 from skip_core.weight_group import Layout, WeightGroup
 
-from skip_plugin_trainer.algorithm_settings import ActorConfig, RolloutCorrection
 from skip_plugin_trainer.algorithms.aggregation import Totals, agg_loss
 from skip_plugin_trainer.algorithms.contract import LossContext, LossInputs, policy_loss
-from skip_plugin_trainer.algorithms.distillation import DistillationConfig, combined, distillation_loss
+from skip_plugin_trainer.algorithms.distillation import combined, distillation_loss
 from skip_plugin_trainer.algorithms.kl import kl_penalty
+from skip_plugin_trainer.config.algorithm import ActorConfig, RolloutCorrection
+from skip_plugin_trainer.config.distillation import DistillationConfig
+from skip_plugin_trainer.config.sections import ModelConfig
 from skip_plugin_trainer.rollout.weights import Bucket
-from skip_plugin_trainer.run_sections import ModelConfig
 from skip_plugin_trainer.train import lora as peft_lora
 from skip_plugin_trainer.train.correction import bypass_mode
 from skip_plugin_trainer.train.distributed import Group, full, join, own_state, shard, world
@@ -71,8 +73,7 @@ class Policy(TrainedModel):
         if threads:
             torch.set_num_threads(threads)
         torch.manual_seed(seed)
-        # Rollout log-probs are taken at the sampling temperature; greedy rollouts sample at 1.
-        self.temperature = temperature or 1.0
+        self.temperature = logprob_temperature(temperature)  # the rollout's log-probs
         self._policy_loss = policy_loss(config.policy_loss.loss_mode)
         model_config = model_config or ModelConfig()
         self.precision = precision = Precision.of(config.fsdp_config, device)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from skip_plugin_trainer.algorithm_settings import FsdpConfig
+from skip_plugin_trainer.config.algorithm import FsdpConfig
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,11 @@ from skip_core.config import ConfigError, lookup
 from skip_core.manager import SkipManager
 from skip_core.schedule import Schedule
 
+from skip_plugin_trainer.config.sections import TrainerConfig
+from skip_plugin_trainer.config.settings import RunSettings
 from skip_plugin_trainer.data import PromptLoader, RLDataset
 from skip_plugin_trainer.reward import Rewarder
 from skip_plugin_trainer.rollout.parts import RolloutParts, load_tokenizer, prompt_loader
-from skip_plugin_trainer.run_sections import TrainerConfig
-from skip_plugin_trainer.settings import RunSettings
 
 
 def schedule(settings: RunSettings) -> Schedule:

@@ -27,7 +27,7 @@ from skip_core.config import ConfigError
 from skip_core.errors import SkipError
 
 from skip_plugin_trainer.actors import settle
-from skip_plugin_trainer.settings import RunSettings
+from skip_plugin_trainer.config.settings import RunSettings
 from skip_plugin_trainer.train.checkpoint import STEP_DIR, CheckpointManager
 from skip_plugin_trainer.train.checkpoint_files import GROUPS, Checkpoint, CorruptCheckpoint
 from skip_plugin_trainer.train.model_group import ModelGroup

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from skip_core.manager import SkipManager
 from skip_core.schedule import Schedule
 
+from skip_plugin_trainer.config.settings import RunSettings
 from skip_plugin_trainer.data import PromptLoader, generation_inputs
 from skip_plugin_trainer.rollout.padding import ROLLOUT_LAYOUT
-from skip_plugin_trainer.settings import RunSettings
 from skip_plugin_trainer.train.checkpoint_files import Checkpoint
 
 

@@ -43,10 +43,10 @@ from skip_core.schedule import (
     StepRecord,
 )
 
+from skip_plugin_trainer.config.settings import RunSettings
 from skip_plugin_trainer.data import collate, generation_inputs
 from skip_plugin_trainer.rollout.group import WorkerLost
 from skip_plugin_trainer.rollout.parts import RolloutParts, prepare_task
-from skip_plugin_trainer.settings import RunSettings
 from skip_plugin_trainer.train.checkpoint import CheckpointManager, capture_rng, restore_rng
 from skip_plugin_trainer.train.checkpoint_files import Checkpoint
 from skip_plugin_trainer.train.dynamic_sampling import fill

@@ -22,10 +22,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from skip_core.config import ConfigError
 
 from skip_plugin_trainer.actors import settle
+from skip_plugin_trainer.config.settings import RunSettings
 from skip_plugin_trainer.rollout.group import RolloutGroup
 from skip_plugin_trainer.rollout.group_sync import GroupSync
 from skip_plugin_trainer.rollout.worker import RolloutWorker
-from skip_plugin_trainer.settings import RunSettings
 from skip_plugin_trainer.train.critic import Critic
 from skip_plugin_trainer.train.distributed import Group, free_address
 from skip_plugin_trainer.train.model_group import ModelGroup, WeightSource

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
-from skip_plugin_trainer.algorithm_settings import AlgorithmConfig
 from skip_plugin_trainer.algorithms.advantages import ESTIMATORS
 from skip_plugin_trainer.algorithms.contract import AdvantageInputs
+from skip_plugin_trainer.config.algorithm import AlgorithmConfig
 from torch.testing import assert_close
 from verl.protocol import DataProto
 from verl.trainer.config import AlgoConfig

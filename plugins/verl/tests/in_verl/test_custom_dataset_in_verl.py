@@ -10,8 +10,8 @@ from pathlib import Path
 import datasets
 import pytest
 import verl.utils.dataset.rl_dataset as verl_rl_dataset
+from skip_plugin_trainer.config.sections import DataConfig
 from skip_plugin_trainer.data import RLDataset
-from skip_plugin_trainer.run_sections import DataConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "tests"))
 from word_chat import row, word_tokenizer, write_parquet  # the repository's test helpers

@@ -13,10 +13,11 @@ import pytest
 import torch
 from pydantic import ValidationError
 from skip_core.plugins import registry
-from skip_plugin_trainer.algorithm_settings import ActorConfig
 from skip_plugin_trainer.algorithms.aggregation import LOSS_AGG_MODES, Totals
 from skip_plugin_trainer.algorithms.contract import LossContext, LossInputs
-from skip_plugin_trainer.algorithms.distillation import DistillationLoss, combined, distillation_loss
+from skip_plugin_trainer.algorithms.distillation import combined, distillation_loss
+from skip_plugin_trainer.config.algorithm import ActorConfig
+from skip_plugin_trainer.config.distillation import DistillationLoss
 from test_policy_losses_match_verl import batch as policy_loss_batch  # the same tensors' shapes and masks
 from verl.trainer.distillation import losses as verl_distillation
 from verl.utils import tensordict_utils as tu

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 from skip_core.plugins import registry
-from skip_plugin_trainer.algorithm_settings import ActorConfig, PolicyLossConfig, RolloutCorrection
 from skip_plugin_trainer.algorithms.aggregation import LOSS_AGG_MODES, Totals
 from skip_plugin_trainer.algorithms.contract import LossContext, LossInputs
+from skip_plugin_trainer.config.algorithm import ActorConfig, PolicyLossConfig, RolloutCorrection
 from verl.trainer.config import RolloutCorrectionConfig
 from verl.trainer.ppo import core_algos
 from verl.workers.config import FSDPActorConfig

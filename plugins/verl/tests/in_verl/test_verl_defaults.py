@@ -1,4 +1,4 @@
-"""skip's table of verl's defaults (``skip_plugin_trainer.verl_defaults``) against verl 0.9.1's
+"""skip's table of verl's defaults (``skip_plugin_trainer.config.verl_defaults``) against verl 0.9.1's
 composed ``ppo_trainer.yaml``, key by key through skip's own map of verl's paths."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import verl
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from skip_plugin_trainer.commands import compose_config
-from skip_plugin_trainer.settings import RunSettings
-from skip_plugin_trainer.verl_defaults import NOT_COMPARED, VERL_DEFAULTS
-from skip_plugin_trainer.verl_keys import alias
+from skip_plugin_trainer.config.settings import RunSettings
+from skip_plugin_trainer.config.verl_defaults import NOT_COMPARED, VERL_DEFAULTS
+from skip_plugin_trainer.config.verl_keys import alias
 
 
 def verl_defaults() -> dict[str, object]:

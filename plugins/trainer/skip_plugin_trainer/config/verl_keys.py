@@ -4,7 +4,7 @@ A verl launch script passes ``actor_rollout_ref.rollout.n=5``; skip's trainer ca
 ``rollout.n``. ``resolve`` rewrites a run config (plain data, after Hydra) so that every key is
 one of skip's, and sorts each verl key into one of four kinds:
 
-The three tables are ``verl_key_tables.py``'s:
+The three tables are ``verl_tables.py``'s:
 
 - an alias (``ALIASES``): the same setting at skip's path, moved there; a verl path a user wrote
   wins over skip's default at the same place;
@@ -28,7 +28,7 @@ from typing import Any
 
 from skip_core.config import ConfigError
 
-from skip_plugin_trainer.verl_key_tables import ALIASES, NOT_VERLS, UNIMPLEMENTED, UNUSED
+from skip_plugin_trainer.config.verl_tables import ALIASES, NOT_VERLS, UNIMPLEMENTED, UNUSED
 
 
 @dataclass

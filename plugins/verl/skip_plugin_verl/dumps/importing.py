@@ -34,9 +34,9 @@ from skip_core.config import Namespace
 from skip_core.escaping import printable
 from skip_core.store import CacheStore
 
-from skip_plugin_verl.dump_errors import VerlDumpError
-from skip_plugin_verl.tq_pickle import read_tq_batch
-from skip_plugin_verl.verl_pickle import read_gen_batch
+from skip_plugin_verl.dumps.errors import VerlDumpError
+from skip_plugin_verl.dumps.tq_pickle import read_tq_batch
+from skip_plugin_verl.dumps.verl_pickle import read_gen_batch
 
 GEN_BATCH = "gen_batch.dp"
 VERL_META = "meta.json"

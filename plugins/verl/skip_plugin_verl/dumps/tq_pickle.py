@@ -27,20 +27,20 @@ from skip_core import reading
 from skip_core.batch import Batch
 from skip_core.escaping import printable
 
-from skip_plugin_verl import budget
-from skip_plugin_verl.dump_errors import UnsafePickleError, VerlDumpError
-from skip_plugin_verl.numpy_pickle import numpy_globals
-from skip_plugin_verl.plain_values import plain
-from skip_plugin_verl.restricted_pickle import Marker, StandIn, describe, ints, reader_errors, sealed
-from skip_plugin_verl.tensordicts import PROMPT, batch_of
-from skip_plugin_verl.torch_archive import (
+from skip_plugin_verl.dumps import budget
+from skip_plugin_verl.dumps.errors import UnsafePickleError, VerlDumpError
+from skip_plugin_verl.dumps.numpy_pickle import numpy_globals
+from skip_plugin_verl.dumps.plain_values import plain
+from skip_plugin_verl.dumps.restricted_pickle import Marker, StandIn, describe, ints, reader_errors, sealed
+from skip_plugin_verl.dumps.torch_archive import (
     PickledTensor,
     TensorDictClass,
     TensorDictData,
-    _TorchZipUnpickler,
+    TorchZipUnpickler,
     load_torch_archive,
     tensor_of,
 )
+from skip_plugin_verl.tensordicts import PROMPT, batch_of
 
 TQ_DUMP = "tq_batch.pt"
 _UNSET = object()
@@ -150,10 +150,10 @@ def _make_td(cls: Any, state: Any) -> Any:
 _TENSOR_REBUILDS = (("torch._utils", "_rebuild_tensor_v2"), ("torch.nested._internal.nested_tensor", "_rebuild_njt"))
 
 
-class _TqUnpickler(_TorchZipUnpickler):
+class _TqUnpickler(TorchZipUnpickler):
     allowed: ClassVar[Mapping[tuple[str, str], Any]] = sealed(
         {
-            **_TorchZipUnpickler.allowed,
+            **TorchZipUnpickler.allowed,
             ("tensordict._reductions", "_make_td"): _make_td,
             ("tensordict.tensorclass", "NonTensorData"): _NonTensorData,
             ("tensordict.tensorclass", "NonTensorStack"): _NonTensorStack,

@@ -21,8 +21,8 @@ from typing import Any, ClassVar
 import torch
 from skip_core.escaping import printable
 
-from skip_plugin_verl.dump_errors import UnsafePickleError, VerlDumpError
-from skip_plugin_verl.pickle_scan import check_opcodes
+from skip_plugin_verl.dumps.errors import UnsafePickleError, VerlDumpError
+from skip_plugin_verl.dumps.pickle_scan import check_opcodes
 
 # -- messages ----------------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """The sections of the learning side of ``skip run``, with verl's key names: ``reward``,
 ``actor``, ``critic`` and ``algorithm``. ``settings.py`` gathers them with the rest and
-cross-checks them; like it, this module imports nothing else of the trainer.
+cross-checks them; this module imports only their base (``sections.Section``) of the trainer.
 """
 
 from __future__ import annotations
@@ -8,8 +8,6 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     NonNegativeFloat,
     NonNegativeInt,
@@ -19,14 +17,12 @@ from pydantic import (
     model_validator,
 )
 
+from skip_plugin_trainer.config.sections import Section
+
 KlType = Literal["kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3"]
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class OverlongBuffer(_Section):
+class OverlongBuffer(Section):
     """DAPO's overlong reward shaping: a response longer than ``data.max_response_length - len``
     tokens loses ``penalty_factor`` x its excess / ``len`` (at most ``penalty_factor``, at the cap)."""
 
@@ -35,7 +31,7 @@ class OverlongBuffer(_Section):
     penalty_factor: NonNegativeFloat = 1.0
 
 
-class CustomRewardFunction(_Section):
+class CustomRewardFunction(Section):
     """``reward.custom_reward_function``, verl's: the function ``name`` of the Python file ``path``,
     with verl's ``compute_score(data_source, solution_str, ground_truth, extra_info)`` signature,
     returning a score or a dict holding one under ``score``. It is the user's own code, run
@@ -45,7 +41,7 @@ class CustomRewardFunction(_Section):
     name: str = "compute_score"
 
 
-class RewardConfig(_Section):
+class RewardConfig(Section):
     """``reward``: which function scores responses; ``tool_rewards`` adds the tools' own rewards.
 
     ``timeout_s``: how long one call of the function may take; a sample whose call runs longer
@@ -62,7 +58,7 @@ class RewardConfig(_Section):
     overlong_buffer: OverlongBuffer = OverlongBuffer()
 
 
-class Optim(_Section):
+class Optim(Section):
     """``actor.optim`` / ``critic.optim``: AdamW, and verl's learning-rate schedule, which moves
     once per update (one training step).
 
@@ -106,7 +102,7 @@ _DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat1
 OFFLOAD_KEYS = ("param_offload", "optimizer_offload", "offload_policy")
 
 
-class FsdpConfig(_Section):
+class FsdpConfig(Section):
     """``actor.fsdp_config`` / ``critic.fsdp_config``: the precision a model trains in, with verl's keys.
 
     ``model_dtype``: the master weights, their gradients and AdamW's state (verl's default fp32).
@@ -145,7 +141,7 @@ class FsdpConfig(_Section):
 LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"]
 
 
-class PolicyLossConfig(_Section):
+class PolicyLossConfig(Section):
     """``actor.policy_loss``, verl's: ``loss_mode`` names a registered policy loss (``skip
     plugins`` lists them; verl's twelve are built in), the rest are the options of some of them:
     Clip-Cov drops the gradient of ``clip_cov_ratio`` of the tokens whose advantage/log-prob
@@ -169,7 +165,7 @@ class PolicyLossConfig(_Section):
         return self
 
 
-class ActorConfig(_Section):
+class ActorConfig(Section):
     """``actor``: the PPO update, with verl's key names.
 
     ``ppo_mini_batch_size`` counts prompts per optimizer step (each with ``rollout.n``
@@ -255,7 +251,7 @@ def _first(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-class CriticConfig(_Section):
+class CriticConfig(Section):
     """``critic``: the value model of ``algorithm.adv_estimator=gae``, with verl's key names: the
     policy's architecture with a one-output head, trained beside it on its own optimizer.
     Batch sizes count as the actor's do; ``cliprange_value`` bounds how far one update moves a
@@ -288,7 +284,7 @@ class CriticConfig(_Section):
         )
 
 
-class RolloutCorrection(_Section):
+class RolloutCorrection(Section):
     """``algorithm.rollout_correction``, verl's keys: how PPO treats samples whose engine log-probs
     (the behaviour policy) differ from the trainer's, as they do when generation runs on older weights.
 
@@ -394,7 +390,7 @@ class RolloutCorrection(_Section):
         return lower, upper
 
 
-class FilterGroups(_Section):
+class FilterGroups(Section):
     """``algorithm.filter_groups``: DAPO's dynamic sampling. Groups whose ``metric`` is the same
     for every sample are dropped and more prompts generated until the batch is full, at most
     ``max_num_gen_batches`` generations a step (0: no limit). ``acc`` (verl's name) and
@@ -405,7 +401,7 @@ class FilterGroups(_Section):
     max_num_gen_batches: NonNegativeInt = 0
 
 
-class AlgorithmConfig(_Section):
+class AlgorithmConfig(Section):
     """``algorithm``: the advantage estimator (``gae`` trains a critic) and the optional KL
     penalty in the reward; ``gamma`` and ``lam`` are GAE's discount and trace decay.
     ``gdpo_reward_keys``: GDPO's reward parts, keys of the dict the reward function returns.

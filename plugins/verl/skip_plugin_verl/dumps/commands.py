@@ -45,7 +45,7 @@ def cache_import_verl(
             "verl dumps are pickles and can execute code when read; pass --trust-pickle "
             "if you made these files yourself or trust their source"
         )
-    from skip_plugin_verl.dump_import import import_verl
+    from skip_plugin_verl.dumps.importing import import_verl
 
     written = import_verl(
         src,

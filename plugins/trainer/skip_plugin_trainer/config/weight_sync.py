@@ -17,7 +17,7 @@ from typing import Literal, NamedTuple
 
 from skip_core.config import ConfigError
 
-from skip_plugin_trainer.run_sections import Resources
+from skip_plugin_trainer.config.sections import Resources
 
 
 class WeightSync(NamedTuple):

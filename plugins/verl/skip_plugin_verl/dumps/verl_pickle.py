@@ -37,11 +37,11 @@ import torch
 from skip_core import reading
 from skip_core.batch import Batch
 
-from skip_plugin_verl import budget
-from skip_plugin_verl.dump_errors import UnsafePickleError, VerlDumpError
-from skip_plugin_verl.numpy_pickle import PickledArray, numpy_globals
-from skip_plugin_verl.plain_values import plain
-from skip_plugin_verl.restricted_pickle import (
+from skip_plugin_verl.dumps import budget
+from skip_plugin_verl.dumps.errors import UnsafePickleError, VerlDumpError
+from skip_plugin_verl.dumps.numpy_pickle import PickledArray, numpy_globals
+from skip_plugin_verl.dumps.plain_values import plain
+from skip_plugin_verl.dumps.restricted_pickle import (
     DTYPES,
     RestrictedUnpickler,
     StandIn,
@@ -50,7 +50,7 @@ from skip_plugin_verl.restricted_pickle import (
     reader_errors,
     sealed,
 )
-from skip_plugin_verl.torch_archive import TensorDictData, _ordered_dict, _size, load_torch_archive
+from skip_plugin_verl.dumps.torch_archive import TensorDictData, load_torch_archive, ordered_dict, torch_size
 
 __all__ = ["read_gen_batch"]
 
@@ -79,8 +79,8 @@ class _OuterUnpickler(RestrictedUnpickler):
     allowed: ClassVar[Mapping[tuple[str, str], Any]] = sealed(
         {
             ("verl.protocol", "DataProto"): _DataProtoState,
-            ("torch", "Size"): _size,  # VERL_DATAPROTO_SERIALIZATION_METHOD=numpy
-            ("collections", "OrderedDict"): _ordered_dict,
+            ("torch", "Size"): torch_size,  # VERL_DATAPROTO_SERIALIZATION_METHOD=numpy
+            ("collections", "OrderedDict"): ordered_dict,
             **numpy_globals(),
         }
     )

@@ -27,9 +27,9 @@ from typing import Any, BinaryIO, ClassVar
 import torch
 from skip_core.escaping import printable
 
-from skip_plugin_verl.budget import charge
-from skip_plugin_verl.dump_errors import UnsafePickleError, VerlDumpError
-from skip_plugin_verl.restricted_pickle import (
+from skip_plugin_verl.dumps.budget import charge
+from skip_plugin_verl.dumps.errors import UnsafePickleError, VerlDumpError
+from skip_plugin_verl.dumps.restricted_pickle import (
     DTYPES,
     LEGACY_STORAGES,
     Marker,
@@ -181,7 +181,7 @@ def from_bytes(data: bytearray, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks, metadata=None) -> PickledTensor:
-    """torch's ``_rebuild_tensor_v2``, on a storage record read by ``_TorchZipUnpickler``."""
+    """torch's ``_rebuild_tensor_v2``, on a storage record read by ``TorchZipUnpickler``."""
     return _view(storage, None, offset, size, stride, hooks, metadata)
 
 
@@ -215,7 +215,7 @@ def _view(storage: Any, dtype: torch.dtype | None, offset, size, stride, hooks, 
     return PickledTensor(torch.as_strided(flat, size, stride, offset))
 
 
-def _size(dims: Any) -> torch.Size:
+def torch_size(dims: Any) -> torch.Size:
     """``torch.Size(dims)``, for a list of non-negative ints only."""
     return torch.Size(ints(dims, "torch.Size"))
 
@@ -227,13 +227,13 @@ def _device(kind: Any, index: Any = None) -> torch.device:
     return torch.device(kind) if index is None else torch.device(kind, index)
 
 
-def _ordered_dict() -> dict:
+def ordered_dict() -> dict:
     """``collections.OrderedDict()`` as torch.save writes a tensor's (empty) backward hooks: a
     plain dict, which pickle then fills (an OrderedDict has a ``__dict__`` that BUILD could set)."""
     return {}
 
 
-class _TorchZipUnpickler(RestrictedUnpickler):
+class TorchZipUnpickler(RestrictedUnpickler):
     """``data.pkl`` of the ``torch.save`` archive of ``DataProto.batch``; storages come from the archive."""
 
     allowed: ClassVar[Mapping[tuple[str, str], Any]] = sealed(
@@ -243,9 +243,9 @@ class _TorchZipUnpickler(RestrictedUnpickler):
             ("tensordict._td", "TensorDict"): TensorDictClass,
             ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
             ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,
-            ("torch", "Size"): _size,
+            ("torch", "Size"): torch_size,
             ("torch", "device"): _device,
-            ("collections", "OrderedDict"): _ordered_dict,
+            ("collections", "OrderedDict"): ordered_dict,
             **{("torch", name): StorageType(DTYPES[dtype]) for name, dtype in LEGACY_STORAGES.items()},
             ("torch.storage", "UntypedStorage"): StorageType(torch.uint8),  # with _rebuild_tensor_v3
             **{("torch", name): dtype for name, dtype in DTYPES.items()},
@@ -336,7 +336,7 @@ class _Archive:
 
 def load_torch_archive(source: bytes | BinaryIO, where: str, unpickler: type | None = None) -> Any:
     """What ``torch.load`` would return for ``source`` (the bytes, or an open file, of a
-    ``torch.save`` archive), through ``unpickler`` only (a ``_TorchZipUnpickler``, by default this one)."""
+    ``torch.save`` archive), through ``unpickler`` only (a ``TorchZipUnpickler``, by default this one)."""
     source = io.BytesIO(source) if isinstance(source, bytes) else source
     try:
         archive = _Archive(source, where)
@@ -356,7 +356,7 @@ def load_torch_archive(source: bytes | BinaryIO, where: str, unpickler: type | N
             order = archive.read(f"{prefix}/byteorder").decode("ascii", "replace")
             if order != sys.byteorder:
                 raise VerlDumpError(f"{printable(where)} was written on a {describe(order)}-endian machine")
-        reader = (unpickler or _TorchZipUnpickler)(archive, prefix)
+        reader = (unpickler or TorchZipUnpickler)(archive, prefix)
     except (UnsafePickleError, VerlDumpError):
         raise
     except Exception as exc:  # a record zipfile cannot read: a bad CRC, a name that differs in its header

@@ -8,7 +8,7 @@ and the closest match), cross-checked, and the cache namespace and setup are bui
 values. The rest of the runtime gets these typed objects and never reads raw config; plugins get
 the same ``Sections`` and read their own.
 
-It imports only the sections' modules (``run_sections``, ``algorithm_settings``) and ``verl_keys`` of the trainer.
+It imports only the sections' modules (``sections``, ``algorithm``) and ``verl_keys`` of the trainer.
 """
 
 from __future__ import annotations
@@ -35,17 +35,16 @@ from skip_core.config import (
 from skip_core.provenance import Setup
 from skip_core.sections import Sections, parse_roles, parse_sections
 
-from skip_plugin_trainer.algorithm_settings import (
+from skip_plugin_trainer.config.algorithm import (
     ActorConfig,
     AlgorithmConfig,
     CriticConfig,
     RewardConfig,
 )
-from skip_plugin_trainer.algorithms.distillation import DistillationConfig
-from skip_plugin_trainer.job_steps import job_steps
-from skip_plugin_trainer.memory_keys import check_budgets, check_offloads
-from skip_plugin_trainer.placement import Placement, plan
-from skip_plugin_trainer.run_sections import (
+from skip_plugin_trainer.config.distillation import DistillationConfig
+from skip_plugin_trainer.config.memory_keys import check_budgets, check_offloads
+from skip_plugin_trainer.config.placement import Placement, plan
+from skip_plugin_trainer.config.sections import (
     DataConfig,
     LoopConfig,
     ModelConfig,
@@ -54,8 +53,9 @@ from skip_plugin_trainer.run_sections import (
     TaskConfig,
     TrainerConfig,
 )
-from skip_plugin_trainer.verl_keys import Resolved, resolve
-from skip_plugin_trainer.weight_sync import WeightSync, choose
+from skip_plugin_trainer.config.steps import job_steps
+from skip_plugin_trainer.config.verl_keys import Resolved, resolve
+from skip_plugin_trainer.config.weight_sync import WeightSync, choose
 
 #: What the trainer gives an advantage estimator beside rewards, mask and groups (``Estimator.needs``).
 PROVIDED_TO_ESTIMATORS = frozenset({"values", "reward_baselines", "old_log_probs", "rollout_is_weights", "scores"})

@@ -25,11 +25,11 @@ import numpy as np
 from skip_core.escaping import printable
 from skip_core.reading import MAX_DEPTH
 
-from skip_plugin_verl import budget
-from skip_plugin_verl.dump_errors import VerlDumpError
-from skip_plugin_verl.numpy_pickle import PickledArray, PickledScalar
-from skip_plugin_verl.restricted_pickle import describe
-from skip_plugin_verl.torch_archive import PickledTensor
+from skip_plugin_verl.dumps import budget
+from skip_plugin_verl.dumps.errors import VerlDumpError
+from skip_plugin_verl.dumps.numpy_pickle import PickledArray, PickledScalar
+from skip_plugin_verl.dumps.restricted_pickle import describe
+from skip_plugin_verl.dumps.torch_archive import PickledTensor
 
 # What a value costs the store, which turns it into JSON-ready objects and then text, per
 # reference: a slot in a container and a number's text; a list's or dict's header; and the tagged

@@ -21,7 +21,7 @@ from contextvars import ContextVar
 
 from skip_core.escaping import printable
 
-from skip_plugin_verl.dump_errors import VerlDumpError
+from skip_plugin_verl.dumps.errors import VerlDumpError
 
 # Measured on dumps written by verl 0.9.1's DataProto.save_to_disk (tests/data/verl, and larger
 # ones made the same way: 512 rows of 1024 + 2048 tokens, 63 MB), default and numpy serialization:

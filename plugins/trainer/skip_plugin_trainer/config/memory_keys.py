@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 from skip_core.config import ConfigError
 
-from skip_plugin_trainer.algorithm_settings import OFFLOAD_KEYS
+from skip_plugin_trainer.config.algorithm import OFFLOAD_KEYS
 
 if TYPE_CHECKING:
-    from skip_plugin_trainer.run_sections import DataConfig
+    from skip_plugin_trainer.config.sections import DataConfig
 
 
 def check_budgets(name: str, model: Any, data: DataConfig) -> None:

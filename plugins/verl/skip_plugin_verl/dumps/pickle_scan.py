@@ -18,7 +18,7 @@ import struct
 
 from skip_core.escaping import printable
 
-from skip_plugin_verl.dump_errors import UnsafePickleError
+from skip_plugin_verl.dumps.errors import UnsafePickleError
 
 # Opcodes whose argument is a length followed by that many bytes: (struct format of the length).
 _COUNTED = {

@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from skip_plugin_verl.budget import charge
-from skip_plugin_verl.dump_errors import UnsafePickleError, VerlDumpError
-from skip_plugin_verl.restricted_pickle import Marker, StandIn, describe, ints
+from skip_plugin_verl.dumps.budget import charge
+from skip_plugin_verl.dumps.errors import UnsafePickleError, VerlDumpError
+from skip_plugin_verl.dumps.restricted_pickle import Marker, StandIn, describe, ints
 
 # bool, (u)int8-64, float16-64, complex64/128, bytes and UCS4 strings of fewer than 10**7
 # characters (an item's bytes must be in the file anyway; the cap keeps numpy's item size in range).

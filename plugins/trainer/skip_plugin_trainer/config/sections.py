@@ -1,5 +1,5 @@
 """The sections of ``skip run`` and ``skip rollout`` besides the learning side's
-(``algorithm_settings``): ``task``, ``model``, ``data``, ``rollout``, ``trainer`` and
+(``algorithm.py``): ``task``, ``model``, ``data``, ``rollout``, ``trainer`` and
 ``resources``, with verl's key names. ``settings.py`` gathers them; this module imports nothing
 else of the trainer.
 """
@@ -28,7 +28,9 @@ from pydantic import (
 )
 
 
-class _Section(BaseModel):  # as algorithm_settings' (ruff sees a pydantic model only by its own base)
+class Section(BaseModel):
+    """Every section of the trainer's: an unknown key is an error, and a validated section is frozen."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
@@ -156,14 +158,14 @@ class DataConfig(BaseModel):
         return [value] if isinstance(value, (str, os.PathLike)) else value
 
 
-class Sampling(_Section):
+class Sampling(Section):
     n: PositiveInt = 1
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)
 
 
-class MultiTurn(_Section):
+class MultiTurn(Section):
     """``tools_config``: the tools YAML, a path (relative to the working directory) or
     ``pkg://<package>/<path>`` for one shipped inside an installed package. ``max_turns``: the
     assistant's turns (verl's ``max_assistant_turns``); ``max_user_turns`` (verl's): rounds of tool
@@ -214,7 +216,7 @@ class LoopConfig(RolloutConfig):
         return min(self.max_model_len or total, total)
 
 
-class TrainerConfig(_Section):
+class TrainerConfig(Section):
     """``trainer``: length of the run, its directory, checkpoints, validation and loggers."""
 
     project_name: Name = "skip"
@@ -240,7 +242,7 @@ class TrainerConfig(_Section):
     save_train_data: bool = False
 
 
-class RolloutPool(_Section):
+class RolloutPool(Section):
     workers: PositiveInt = 1
     cpus_per_worker: PositiveFloat = 1
     gpus_per_worker: NonNegativeFloat = 0  # Ray shows a worker only the GPUs its bundle asked for
@@ -253,7 +255,7 @@ class RolloutPool(_Section):
     ray_resources: dict[StrictStr, PositiveFloat] | None = None
 
 
-class ActorPool(_Section):
+class ActorPool(Section):
     """The policy's ranks (and the critic's, beside them): ``workers`` Ray workers, one
     data-parallel rank each, sharing ``cpus`` and each with ``gpus_per_worker``."""
 
@@ -263,7 +265,7 @@ class ActorPool(_Section):
     ray_resources: dict[StrictStr, PositiveFloat] | None = None  # as the rollout pool's
 
 
-class Resources(_Section):
+class Resources(Section):
     """``resources``: the local Ray's CPUs (``num_cpus``, ignored when joining ``RAY_ADDRESS``)
     and each pool's share. ``torch_threads`` sets every worker's intra-op threads; by default
     a worker of an overlapped schedule gets its own CPUs (every worker runs at the same time),
