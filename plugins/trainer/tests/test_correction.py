@@ -11,16 +11,16 @@ from batches import ROWS, padded_batch
 from skip_core.config import ConfigError
 from skip_plugin_trainer.algorithms.aggregation import Totals
 from skip_plugin_trainer.algorithms.contract import LossContext, LossInputs, PolicyLoss
-from skip_plugin_trainer.algorithms.losses import reinforce, vanilla
-from skip_plugin_trainer.config.algorithm import ActorConfig, Optim, RolloutCorrection
-from skip_plugin_trainer.config.settings import RunSettings
-from skip_plugin_trainer.train.correction import (
+from skip_plugin_trainer.algorithms.correction import (
     bypass_mode,
     correct,
     offpolicy_metrics,
     rejection_mask,
     rollout_is_weights,
 )
+from skip_plugin_trainer.algorithms.losses import reinforce, vanilla
+from skip_plugin_trainer.config.algorithm import ActorConfig, Optim, RolloutCorrection
+from skip_plugin_trainer.config.settings import RunSettings
 from skip_plugin_trainer.train.phases import Phases
 from skip_plugin_trainer.train.policy import Policy
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from skip_plugin_trainer.algorithms import cov_losses, losses
 from skip_plugin_trainer.algorithms.contract import LossFunction
-from skip_plugin_trainer.train.correction import bypass_mode
+from skip_plugin_trainer.algorithms.correction import bypass_mode
 
 LOSSES: dict[str, LossFunction] = {
     "vanilla": losses.vanilla,

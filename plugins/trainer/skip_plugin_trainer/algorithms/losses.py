@@ -5,7 +5,7 @@ Each takes a micro-batch (``LossInputs``) and the actor's settings with the mini
 own function on the same tensors (``plugins/verl/tests/in_verl/test_algorithms.py``): loss,
 gradient and metrics. The clip bounds are ``actor.clip_ratio_low`` / ``clip_ratio_high``
 (``actor.clip_ratio`` gives both); the rollout correction's weights, when set, scale each
-token's loss. The covariance losses are in ``cov_losses.py``, bypass mode in ``train/correction.py``.
+token's loss. The covariance losses are in ``cov_losses.py``, bypass mode in ``correction.py``.
 """
 
 from __future__ import annotations

@@ -19,10 +19,10 @@ from skip_core.schedule import StepRecord
 
 from skip_plugin_trainer.algorithms.aggregation import agg_loss
 from skip_plugin_trainer.algorithms.contract import AdvantageInputs, Estimator
+from skip_plugin_trainer.algorithms.correction import correct
 from skip_plugin_trainer.algorithms.kl import apply_kl_penalty
 from skip_plugin_trainer.config.settings import RunSettings
 from skip_plugin_trainer.reward import Rewarder
-from skip_plugin_trainer.train.correction import correct
 from skip_plugin_trainer.train.model_group import ModelGroup
 from skip_plugin_trainer.train.value import value_metrics
 

@@ -19,6 +19,7 @@ from skip_core.weight_group import Layout, WeightGroup
 
 from skip_plugin_trainer.algorithms.aggregation import Totals, agg_loss
 from skip_plugin_trainer.algorithms.contract import LossContext, LossInputs, policy_loss
+from skip_plugin_trainer.algorithms.correction import bypass_mode
 from skip_plugin_trainer.algorithms.distillation import combined, distillation_loss
 from skip_plugin_trainer.algorithms.kl import kl_penalty
 from skip_plugin_trainer.config.algorithm import ActorConfig, RolloutCorrection
@@ -26,7 +27,6 @@ from skip_plugin_trainer.config.distillation import DistillationConfig
 from skip_plugin_trainer.config.sections import ModelConfig
 from skip_plugin_trainer.rollout.weights import Bucket
 from skip_plugin_trainer.train import lora as peft_lora
-from skip_plugin_trainer.train.correction import bypass_mode
 from skip_plugin_trainer.train.distributed import Group, full, join, own_state, shard, world
 from skip_plugin_trainer.train.loading import pretrained
 from skip_plugin_trainer.train.logits import token_log_probs
