@@ -2,9 +2,10 @@
 ``config.json`` and the run's settings before anything is loaded (``skip run --check``).
 
 The parts: the master weights, their gradients and AdamW's two moments (each split over the
-ranks), the reference in the compute dtype, the weights in the compute dtype a rank holds whole
-for a while (FSDP2's gathered units, or autocast's cached copies on one rank), the activations
-kept for the backward pass of the largest micro-batch, and the logits with their float32 copies.
+ranks), the reference and a distillation teacher in the compute dtype, the weights in the compute
+dtype a rank holds whole for a while (FSDP2's gathered units, or autocast's cached copies on one
+rank), the activations kept for the backward pass of the largest micro-batch, and the logits with
+their float32 copies.
 The critic of GAE shares the actor's device and adds its own state. Activation bytes per token
 and layer are fitted to what ``saved_tensors_hooks`` counts on this project's CPU for a Llama/Qwen
 decoder layer with ``sdpa`` (no [sequence x sequence] scores); docs/gpus.md states the error
@@ -117,6 +118,7 @@ class Plan:
     chunk: int | None
     entropy: bool
     head: bool = True  # a language-model head (the critic's has one output: no logits to speak of)
+    teacher: int = 0  # a distillation teacher's parameters: frozen, in the compute dtype, sharded as the reference is
     parked: tuple[str, ...] = ()  # the parts offloaded to the host between calls
 
 
@@ -130,6 +132,7 @@ def estimate(shape: Shape, plan: Plan) -> dict[str, float]:
     parts["gradients"] = share * m if plan.trainable else 0.0
     parts["AdamW"] = 2 * share * m if plan.trainable else 0.0
     parts["reference"] = share * c if plan.reference else 0.0
+    parts["teacher"] = plan.teacher / plan.ranks * c
     mixed = plan.compute != plan.master
     # sharded, an embedding no head shares is a unit of its own (``distributed.shard``), gathered with
     # its gradient only at the ends of the pass, when activations and logits are gone
@@ -157,7 +160,7 @@ def estimate(shape: Shape, plan: Plan) -> dict[str, float]:
     return parts
 
 
-STATE = ("weights", "gradients", "AdamW", "reference")
+STATE = ("weights", "gradients", "AdamW", "reference", "teacher")
 
 
 def resident(parts: dict[str, float], plan: Plan) -> float:
@@ -167,15 +170,16 @@ def resident(parts: dict[str, float], plan: Plan) -> float:
 
 def parked(fsdp: Any, reference_offload: bool, colocated: bool = False) -> tuple[str, ...]:
     """The parts ``fsdp_config`` (and the reference's key) keep on the host between calls; all
-    of them when ``colocated`` (``TrainedModel._setup``)."""
+    of them when ``colocated`` (``TrainedModel._setup``). A teacher waits where the reference does."""
     keys = ("weights", "gradients") if fsdp.param_offload or fsdp.offload_policy or colocated else ()
     keys += ("AdamW",) if fsdp.optimizer_offload or fsdp.offload_policy or colocated else ()
-    return keys + (("reference",) if reference_offload or colocated else ())
+    return keys + (("reference", "teacher") if reference_offload or colocated else ())
 
 
 def read_plans(settings: Any) -> dict[str, tuple[Shape, Plan]]:
     """The actor's (and the critic's, with GAE) shape and plan under ``settings`` (a ``RunSettings``)."""
     shape = Shape.read(settings.model_path())
+    teacher = _teacher_params(settings.distillation.teacher_path)
     device, workers = settings.device, settings.resources.actor.workers
     longest = settings.data.max_prompt_length + settings.data.max_response_length
     plans = {}
@@ -199,10 +203,21 @@ def read_plans(settings: Any) -> dict[str, tuple[Shape, Plan]]:
                 chunk=config.chunk if actor else None,
                 entropy=actor and config.entropy_coeff != 0,
                 head=actor,
+                teacher=teacher if actor else 0,
                 parked=parked(config.fsdp_config, actor and config.ref_param_offload, settings.resources.colocate),
             ),
         )
     return plans
+
+
+def _teacher_params(path: str | None) -> int:
+    """The distillation teacher's parameters (0 without one), from its ``config.json``."""
+    if path is None:
+        return 0
+    try:
+        return Shape.read(path).params
+    except ValueError as exc:
+        raise ValueError(f"the teacher's {exc}") from None
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ estimate against the peak measured in a fresh process (docs/gpus.md states the s
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 from skip_core.cli import cli
-from skip_plugin_trainer.memory import GIB, Plan, Shape, estimate
+from skip_plugin_trainer.config.algorithm import FsdpConfig
+from skip_plugin_trainer.memory import GIB, Plan, Shape, estimate, parked, resident
 
 QWEN2_05B = {
     "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
@@ -78,6 +80,7 @@ def test_each_setting_moves_the_part_it_should():
     assert estimate(shape, plan(chunk=2048))["logits"] < base["logits"]
     assert estimate(shape, plan(reference=True))["reference"] == base["weights"] / 2  # bfloat16
     assert estimate(shape, plan(trainable=False))["AdamW"] == 0
+    assert estimate(shape, plan(teacher=shape.params))["teacher"] == base["weights"] / 2  # bfloat16, sharded
     assert 25 * GIB < sum(base.values()) < 45 * GIB  # verl's FSDP engine needs about 32 GB here (issue 51)
 
 
@@ -89,6 +92,40 @@ def test_check_prints_the_estimate_per_rank(task_dir):
     assert "# peak memory per CPU rank in an update, estimated before anything loads" in result.output
     assert "#   actor: 2 ranks, bfloat16 compute over float32 weights, checkpointing on" in result.output
     assert yaml.safe_load(result.output)["actor"]["fsdp_config"]["dtype"] == "bfloat16"  # still one YAML document
+
+
+def test_a_teacher_waits_on_the_host_where_the_reference_does():
+    shape = Shape(152064, 3584, 28, 18944, 28, 4, 128, False, True, False, False)
+    fsdp = FsdpConfig()
+    for offload, colocated, kept in [(False, False, True), (True, False, False), (False, True, False)]:
+        waiting = parked(fsdp, offload, colocated)
+        alone, held = plan(reference=True, parked=waiting), plan(reference=True, teacher=shape.params, parked=waiting)
+        parts = estimate(shape, held)
+        assert parts["teacher"] == parts["reference"] > 0
+        assert resident(parts, held) - resident(estimate(shape, alone), alone) == (parts["teacher"] if kept else 0)
+
+
+def test_check_counts_the_teacher_and_names_a_teacher_it_cannot_read(task_dir, tmp_path):
+    distilling = [
+        f"task.dir={task_dir}", "distillation.enabled=true",
+        f"+distillation.teacher_models.teacher.model_path={task_dir / 'model'}",
+    ]  # fmt: skip
+    student = CliRunner().invoke(cli, ["run", "--check", f"task.dir={task_dir}"])
+    result = CliRunner().invoke(cli, ["run", "--check", *distilling])
+    assert result.exit_code == 0, result.output
+    assert " teacher " not in student.output
+    # the teacher is the student's own weights here: its part is the reference's, in the compute dtype
+    line = next(line for line in result.output.splitlines() if line.startswith("#   actor: weights"))
+    parts = dict(part.split() for part in line.split(" = ")[0].removeprefix("#   actor: ").split(" · "))
+    assert float(parts["teacher"]) == pytest.approx(float(parts["weights"]), rel=0.01)  # float32 on the CPU
+    for name in os.listdir(task_dir / "model"):  # the student's tokenizer, in a model the estimate does not know
+        if not name.endswith(".safetensors"):
+            shutil.copy(task_dir / "model" / name, tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    unknown = f"+distillation.teacher_models.teacher.model_path={tmp_path}"
+    result = CliRunner().invoke(cli, ["run", "--check", *distilling[:2], unknown])
+    assert result.exit_code == 0, result.output
+    assert "# memory per CPU rank: not estimated: the teacher's model_type 'gpt2': the estimate knows" in result.output
 
 
 @pytest.mark.integration
