@@ -139,6 +139,16 @@ def test_lora_on_two_workers_matches_one(ray_session, task_dir, tmp_path):
     )
 
 
+def test_a_teacher_on_two_workers_scores_as_on_one(ray_session, task_dir, tmp_path):
+    """The distillation teacher is sharded as the reference is: its log-probs, and the student's
+    divergence from it, are one worker's (the KL and entropy terms move the student from step 1)."""
+    teacher = f"+distillation.teacher_models.teacher.model_path={task_dir / 'model'}"
+    distilling = ("distillation.enabled=true", teacher, *KL)
+    two = run(task_dir, tmp_path / "two", 2, *distilling)
+    agree(run(task_dir, tmp_path / "one", 1, *distilling), two, {"rollout tokens", "teacher_log_prob", "losses"})
+    assert metrics(two)[-1]["distillation/loss"] > 0
+
+
 def test_fully_async_trains_on_two_workers(ray_session, task_dir, tmp_path):
     """fully_async trains on whichever samples finish first, so no two of its runs share their
     batches, sharded or not: this run is checked for training, not against another."""

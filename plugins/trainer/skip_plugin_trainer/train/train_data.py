@@ -41,7 +41,7 @@ class TrainDataError(SkipError, ValueError):
 #: What a step's batch holds of each phase, per response token (``trainer.save_train_data``).
 KEYS = (
     "responses", "response_mask", "rollout_log_probs", "token_level_scores", "token_level_rewards",
-    "old_log_probs", "ref_log_prob", "values", "advantages", "returns",
+    "old_log_probs", "ref_log_prob", "teacher_log_prob", "values", "advantages", "returns",
 )  # fmt: skip
 
 
