@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skip_core import reading
+from skip_plugin_trainer import model_files
 
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -46,7 +46,7 @@ class Shape:
     @classmethod
     def read(cls, model_dir: str | Path) -> Shape:
         """``ValueError`` naming what the estimate cannot read."""
-        config = reading.read_json(Path(model_dir) / "config.json", MAX_CONFIG_BYTES)
+        config = model_files.read_json(model_dir, "config.json", MAX_CONFIG_BYTES)
         if not isinstance(config, dict):
             raise ValueError("config.json is not an object")
         kind = config.get("model_type")

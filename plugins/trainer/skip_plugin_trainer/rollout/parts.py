@@ -11,6 +11,7 @@ from typing import Any
 from skip_core.backend import Backend, find_backend
 from skip_core.config import ConfigError
 
+from skip_plugin_trainer import model_files
 from skip_plugin_trainer.config.settings import RolloutSettings
 from skip_plugin_trainer.data import PromptLoader, RLDataset
 from skip_plugin_trainer.rollout.agent_loop import AgentLoop
@@ -40,6 +41,7 @@ def load_tokenizer(settings: RolloutSettings) -> Any:
     needs (an engine would fail on the first long request, mid-run)."""
     from transformers import AutoConfig, AutoTokenizer
 
+    model_files.check(settings.model_path(), "model.path")
     config = AutoConfig.from_pretrained(settings.model_path(), **settings.model.override_config)
     positions = getattr(config.get_text_config(), "max_position_embeddings", None)
     if positions is not None and settings.rollout.model_len > positions:

@@ -15,6 +15,7 @@ from skip_core.config import ConfigError, lookup
 from skip_core.manager import SkipManager
 from skip_core.schedule import Schedule
 
+from skip_plugin_trainer import model_files
 from skip_plugin_trainer.config.sections import TrainerConfig
 from skip_plugin_trainer.config.settings import RunSettings
 from skip_plugin_trainer.data import PromptLoader, RLDataset
@@ -115,6 +116,7 @@ def check_teacher(path: str, tokenizer: Any) -> None:
     from transformers import AutoTokenizer
 
     key = "distillation.teacher_models"
+    model_files.check(path, key)
     try:
         teacher = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
